@@ -1,0 +1,71 @@
+"""cachelife: an explicit, typed lifecycle for transformers static KV caches under torch.compile and CUDA graphs.
+
+Every layer cache moves through `Unallocated -> Pinned -> Filled` (see `cachelife.lifecycle`). `enable`
+guards a model so that `generate` decodes only with pinned caches; `prepare_static_cache` builds pinned
+caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache.
+"""
+
+from cachelife.buffers import Buffers, PinSpec
+from cachelife.cache import CacheLifecycle, is_managed_cache, lifecycle
+from cachelife.errors import (
+    CacheLifecycleError,
+    CacheShapeError,
+    CompiledRegionError,
+    IllegalTransitionError,
+    ReplacedBuffersError,
+    UnmarkedBuffersError,
+    UnpinnedCacheError,
+    UnsupportedCacheError,
+)
+from cachelife.integration import (
+    CacheLifecycleMixin,
+    disable,
+    enable,
+    is_enabled,
+    pin_for_model,
+    prepare_static_cache,
+)
+from cachelife.lifecycle import TRANSITIONS, Filled, FillRecord, LayerLifecycle, LayerState, Pinned, Unallocated
+from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
+from cachelife.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, infer_cache_shapes, model_cache_shapes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TRANSITIONS",
+    "Buffers",
+    "CacheLifecycle",
+    "CacheLifecycleError",
+    "CacheLifecycleMixin",
+    "CacheShapeError",
+    "CacheShapes",
+    "CompiledRegionError",
+    "DeclaresCacheShapes",
+    "FillRecord",
+    "Filled",
+    "IllegalTransitionError",
+    "LayerLifecycle",
+    "LayerShape",
+    "LayerState",
+    "PinSpec",
+    "Pinned",
+    "ReplacedBuffersError",
+    "Unallocated",
+    "UnmarkedBuffersError",
+    "UnpinnedCacheError",
+    "UnsupportedCacheError",
+    "__version__",
+    "disable",
+    "disable_debug_logging",
+    "enable",
+    "enable_debug_logging",
+    "infer_cache_shapes",
+    "is_enabled",
+    "is_managed_cache",
+    "lifecycle",
+    "model_cache_shapes",
+    "pin_for_model",
+    "prepare_static_cache",
+]
+
+configure_from_environment()

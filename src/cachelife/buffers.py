@@ -1,0 +1,179 @@
+"""The storage of one transformers cache layer: how it is allocated, marked static, zeroed and dropped.
+
+These functions act on transformers' layer objects (`StaticLayer` and its sliding-window subclass) and know
+their attributes; they hold no lifecycle state. `cachelife.lifecycle` decides when each one may run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from attrs import frozen
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+from typing_extensions import TypeIs
+
+from cachelife.errors import CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
+
+# Attributes `StaticLayer.lazy_initialization` adds; dropping the storage removes them again so a released
+# layer looks exactly like one transformers has just built.
+_INIT_ATTRIBUTES = ("device", "batch_size", "num_heads", "k_head_dim", "v_head_dim")
+
+
+@frozen
+class PinSpec:
+    """What one layer's buffers must look like: everything but the sequence length, which the layer owns."""
+
+    batch_size: int
+    num_kv_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@frozen
+class Buffers:
+    """The storage a pinned layer holds, as recorded when it was pinned."""
+
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    # (name, data pointer) of every tensor marked static, in a fixed order.
+    data_ptrs: tuple[tuple[str, int], ...]
+
+
+def is_static_layer(layer: object) -> TypeIs[StaticLayer]:
+    """Whether `layer` is a transformers static layer whose storage cachelife can manage."""
+    return isinstance(layer, StaticLayer)
+
+
+def is_plain_static_layer(layer: StaticLayer) -> bool:
+    """Whether the layer is exactly a `StaticLayer` or `StaticSlidingWindowLayer`, not a subclass with more storage."""
+    return type(layer) in (StaticLayer, StaticSlidingWindowLayer)
+
+
+def is_sliding_layer(layer: StaticLayer) -> TypeIs[StaticSlidingWindowLayer]:
+    """Whether a static layer keeps only a sliding window of positions."""
+    return isinstance(layer, StaticSlidingWindowLayer)
+
+
+def compiled_region() -> str | None:
+    """Name the compiled or captured region the caller is in, or None in plain eager code."""
+    if torch.compiler.is_compiling():
+        return "while dynamo traces a compiled function"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "while a CUDA graph is being captured"
+    return None
+
+
+def refuse_in_compiled_region(action: str, who: str) -> None:
+    """Raise `CompiledRegionError` if buffers would be touched inside a compiled or captured region."""
+    region = compiled_region()
+    if region is not None:
+        msg = (
+            f"cannot {action} {who} {region}: buffers made there are not marked static and land in the "
+            "CUDA-graph memory pool. Pin caches before compiled decoding starts, e.g. with "
+            "cachelife.prepare_static_cache(model, ...) or cachelife.enable(model) before model.generate(...)."
+        )
+        raise CompiledRegionError(msg)
+
+
+def static_tensors(layer: StaticLayer) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of an allocated layer that compiled decoding mutates in place."""
+    if layer.keys is not None:
+        yield "keys", layer.keys
+    if layer.values is not None:
+        yield "values", layer.values
+    yield "cumulative_length", layer.cumulative_length
+
+
+def is_marked_static(tensor: torch.Tensor) -> bool:
+    """Whether `torch._dynamo.mark_static_address` was applied to this tensor object."""
+    return getattr(tensor, "_dynamo_static_input_type", None) is not None
+
+
+def observe(layer: StaticLayer) -> Buffers | None:
+    """Describe the storage a layer holds now, or None if it holds none."""
+    if not layer.is_initialized or layer.keys is None or layer.values is None:
+        return None
+    return Buffers(
+        key_shape=tuple(layer.keys.shape),
+        value_shape=tuple(layer.values.shape),
+        dtype=layer.keys.dtype,
+        device=layer.keys.device,
+        data_ptrs=tuple((name, tensor.data_ptr()) for name, tensor in static_tensors(layer)),
+    )
+
+
+def unmarked_tensors(layer: StaticLayer) -> list[str]:
+    """Names of the layer's tensors that were never marked static."""
+    return [name for name, tensor in static_tensors(layer) if not is_marked_static(tensor)]
+
+
+def allocate(layer: StaticLayer, spec: PinSpec) -> Buffers:
+    """Allocate the layer's buffers at their final shape and mark every one of them static.
+
+    Uses transformers' own `lazy_initialization` with zero-length key and value tensors (the recipe of
+    `Cache.early_initialization`), so the layer ends up exactly as a lazy first `update` would leave it,
+    then marks any tensor transformers did not. On failure the layer is put back as it was.
+    """
+    empty_keys = torch.zeros(
+        (spec.batch_size, spec.num_kv_heads, 0, spec.key_head_dim), dtype=spec.dtype, device=spec.device
+    )
+    empty_values = torch.zeros(
+        (spec.batch_size, spec.num_kv_heads, 0, spec.value_head_dim), dtype=spec.dtype, device=spec.device
+    )
+    try:
+        layer.lazy_initialization(empty_keys, empty_values)
+        for _, tensor in static_tensors(layer):
+            if not is_marked_static(tensor):
+                torch._dynamo.mark_static_address(tensor)
+    except BaseException:
+        drop(layer)
+        raise
+    buffers = observe(layer)
+    if buffers is None:
+        drop(layer)
+        msg = (
+            f"{type(layer).__name__}.lazy_initialization allocated no keys and values; cachelife manages "
+            "layers that store them (transformers' StaticLayer family)"
+        )
+        raise UnsupportedCacheError(msg)
+    return buffers
+
+
+def zero(layer: StaticLayer, recorded: Buffers, who: str) -> None:
+    """Empty the layer in place (transformers' own `reset`), keeping every data pointer."""
+    check_unreplaced(layer, recorded, who)
+    layer.reset()
+
+
+def check_unreplaced(layer: StaticLayer, recorded: Buffers, who: str) -> None:
+    """Raise `ReplacedBuffersError` if the layer no longer holds the tensors recorded at pin time."""
+    current = observe(layer)
+    now = None if current is None else current.data_ptrs
+    if now != recorded.data_ptrs:
+        msg = (
+            f"{who}: its buffers were replaced outside cachelife (pinned at {_format_ptrs(recorded.data_ptrs)}, "
+            f"now {'none' if now is None else _format_ptrs(now)}). Something reassigned the layer's tensors, "
+            "e.g. Cache.reorder_cache during beam search; release and pin the cache again."
+        )
+        raise ReplacedBuffersError(msg)
+
+
+def drop(layer: StaticLayer) -> None:
+    """Drop the layer's storage so that it is exactly as transformers builds it: lazily allocated."""
+    layer.keys = None
+    layer.values = None
+    layer.is_initialized = False
+    layer.cumulative_length = torch.tensor(0, dtype=torch.int64)
+    if is_sliding_layer(layer):
+        layer.cumulative_length_int = 0
+    for name in _INIT_ATTRIBUTES:
+        layer.__dict__.pop(name, None)
+
+
+def _format_ptrs(data_ptrs: tuple[tuple[str, int], ...]) -> str:
+    return ", ".join(f"{name}=0x{ptr:x}" for name, ptr in data_ptrs)

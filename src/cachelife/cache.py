@@ -1,0 +1,268 @@
+"""Whole-cache view: the lifecycles of every layer of a `StaticCache` or an `EncoderDecoderCache`.
+
+`lifecycle(cache)` returns the one `CacheLifecycle` of a cache (kept while the cache lives, never keeping it
+alive). Operations here apply a layer transition to every layer that needs it, all or nothing: they check
+every layer first and undo their own work if a later layer fails.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+from attrs import define, field
+from transformers.cache_utils import Cache, EncoderDecoderCache, StaticCache
+from typing_extensions import TypeIs
+
+from cachelife.buffers import PinSpec
+from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
+from cachelife.lifecycle import Filled, FillRecord, LayerLifecycle, Pinned, Role, Unallocated
+from cachelife.shapes import CacheShapes, LayerShape
+
+ManagedCache: TypeAlias = StaticCache | EncoderDecoderCache
+Devices: TypeAlias = torch.device | str | Sequence[torch.device | str]
+
+
+def is_static_cache(cache: object) -> TypeIs[StaticCache]:
+    """Whether `cache` is a transformers `StaticCache`."""
+    return isinstance(cache, StaticCache)
+
+
+def is_encoder_decoder_cache(cache: object) -> TypeIs[EncoderDecoderCache]:
+    """Whether `cache` is a transformers `EncoderDecoderCache` (static or not inside)."""
+    return isinstance(cache, EncoderDecoderCache)
+
+
+def is_static_encoder_decoder_cache(cache: object) -> TypeIs[EncoderDecoderCache]:
+    """Whether `cache` is an `EncoderDecoderCache` whose self-attention cache is static."""
+    return is_encoder_decoder_cache(cache) and is_static_cache(cache.self_attention_cache)
+
+
+def is_managed_cache(cache: object) -> TypeIs[ManagedCache]:
+    """Whether cachelife manages this cache: a `StaticCache`, or an `EncoderDecoderCache` around one."""
+    return is_static_cache(cache) or is_static_encoder_decoder_cache(cache)
+
+
+@define(eq=False)
+class CacheLifecycle:
+    """The lifecycles of every layer of one cache: self-attention layers first, then cross-attention."""
+
+    _self_attention: tuple[LayerLifecycle, ...] = field(alias="self_attention")
+    _cross_attention: tuple[LayerLifecycle, ...] = field(alias="cross_attention")
+    # Identity of the layer objects the lifecycles were built for, to notice replaced layers or sub-caches.
+    _layer_ids: tuple[int, ...] = field(alias="layer_ids")
+
+    @property
+    def layers(self) -> tuple[LayerLifecycle, ...]:
+        """Every layer: self-attention layers in order, then cross-attention layers in order."""
+        return self._self_attention + self._cross_attention
+
+    @property
+    def self_attention(self) -> tuple[LayerLifecycle, ...]:
+        """The self-attention layers (all layers of a decoder-only `StaticCache`)."""
+        return self._self_attention
+
+    @property
+    def cross_attention(self) -> tuple[LayerLifecycle, ...]:
+        """The cross-attention layers of an `EncoderDecoderCache` (empty for a `StaticCache`)."""
+        return self._cross_attention
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether every layer holds static buffers (state `Pinned` or `Filled`)."""
+        return all(layer.is_pinned for layer in self.layers)
+
+    @property
+    def is_filled(self) -> bool:
+        """Whether every layer holds content."""
+        return all(isinstance(layer.state, Filled) for layer in self.layers)
+
+    def unpinned(self) -> tuple[LayerLifecycle, ...]:
+        """The layers that hold no static buffers."""
+        return tuple(layer for layer in self.layers if not layer.is_pinned)
+
+    def require_pinned(self) -> None:
+        """Raise `UnpinnedCacheError` naming every layer that is not pinned."""
+        missing = self.unpinned()
+        if missing:
+            names = ", ".join(f"{layer.describe()} is {type(layer.state).__name__}" for layer in missing)
+            msg = (
+                f"{len(missing)} of {len(self.layers)} cache layers are not pinned: {names}. Pin them before "
+                "compiled decoding with CacheLifecycle.pin(...) or cachelife.prepare_static_cache(...)."
+            )
+            raise UnpinnedCacheError(msg)
+
+    def pin(self, *, batch_size: int, shapes: CacheShapes, dtype: torch.dtype, device: Devices) -> None:
+        """Pin every unallocated layer; check that already pinned layers match the same request.
+
+        `device` is one device for all layers, or one per layer in `layers` order. Nothing changes unless
+        every layer can be pinned: the request is checked first, and layers pinned by this call are
+        released again if a later one fails (out of memory, say).
+        """
+        specs = self._specs(batch_size, shapes, dtype, device)
+        for layer, spec in zip(self.layers, specs, strict=True):
+            _check_matches(layer, spec)
+        pinned_here: list[LayerLifecycle] = []
+        try:
+            for layer, spec in zip(self.layers, specs, strict=True):
+                if isinstance(layer.state, Unallocated):
+                    layer.pin(spec)
+                    pinned_here.append(layer)
+        except BaseException:
+            for layer in reversed(pinned_here):
+                layer.release()
+            raise
+
+    def fill(self, record: FillRecord, *, cross: bool | None = None) -> None:
+        """Record content in every pinned layer (or only the self- or cross-attention ones)."""
+        chosen = {None: self.layers, False: self._self_attention, True: self._cross_attention}[cross]
+        for layer in chosen:
+            if isinstance(layer.state, Pinned):
+                layer.fill(record)
+
+    def reset(self) -> None:
+        """Empty every pinned layer in place, keeping its addresses; unallocated layers stay so."""
+        for layer in self.layers:
+            if layer.is_pinned:
+                layer.reset()
+
+    def release(self) -> None:
+        """Drop every layer's buffers; the cache is back to lazy allocation."""
+        for layer in self.layers:
+            if layer.is_pinned:
+                layer.release()
+
+    def _specs(self, batch_size: int, shapes: CacheShapes, dtype: torch.dtype, device: Devices) -> list[PinSpec]:
+        counts = (len(self._self_attention), len(self._cross_attention))
+        given = (len(shapes.self_attention), len(shapes.cross_attention))
+        if counts != given:
+            msg = (
+                f"the cache has {counts[0]} self-attention and {counts[1]} cross-attention layers, but the "
+                f"shapes describe {given[0]} and {given[1]}; build the cache from the same model config"
+            )
+            raise CacheShapeError(msg)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            msg = f"batch_size must be a positive int, got {batch_size!r}"
+            raise CacheShapeError(msg)
+        devices = _per_layer_devices(device, len(self.layers))
+        layer_shapes: list[LayerShape] = [*shapes.self_attention, *shapes.cross_attention]
+        return [
+            PinSpec(batch_size, shape.num_kv_heads, shape.key_head_dim, shape.value_head_dim, dtype, dev)
+            for shape, dev in zip(layer_shapes, devices, strict=True)
+        ]
+
+
+_REGISTRY: weakref.WeakKeyDictionary[Cache, CacheLifecycle] = weakref.WeakKeyDictionary()
+
+
+def lifecycle(cache: object) -> CacheLifecycle:
+    """The lifecycle of a `StaticCache` or `EncoderDecoderCache`, adopting its layers on first use.
+
+    Layers already holding buffers are adopted as they are (`Pinned` or `Filled`); layers or sub-caches
+    replaced since the last call get fresh lifecycles, so the view always matches the cache.
+    """
+    if not is_managed_cache(cache):
+        msg = (
+            f"cachelife manages a StaticCache or an EncoderDecoderCache of StaticCaches, got "
+            f"{_describe_cache(cache)}; use cache_implementation='static' or cachelife.prepare_static_cache"
+        )
+        raise UnsupportedCacheError(msg)
+    known = _REGISTRY.get(cache)
+    ids = _layer_ids(cache)
+    if known is not None and known._layer_ids == ids:
+        return known
+    fresh = _build(cache, ids, known)
+    _REGISTRY[cache] = fresh
+    return fresh
+
+
+def _build(cache: ManagedCache, ids: tuple[int, ...], known: CacheLifecycle | None) -> CacheLifecycle:
+    previous = () if known is None else known.layers
+
+    def adopt(layer: object, index: int, role: Role, owner: EncoderDecoderCache | None) -> LayerLifecycle:
+        for kept in previous:
+            if kept.tracks(layer) and kept.role == role and kept.index == index:
+                return kept
+        return LayerLifecycle.adopt(layer, index=index, role=role, owner=owner)
+
+    if is_encoder_decoder_cache(cache):
+        cross_cache = cache.cross_attention_cache
+        if not is_static_cache(cross_cache):
+            msg = (
+                "the EncoderDecoderCache has a static self-attention cache but a "
+                f"{type(cross_cache).__name__} cross-attention cache; both must be StaticCache for compiled "
+                "decoding (cachelife.prepare_static_cache builds such a pair)"
+            )
+            raise UnsupportedCacheError(msg)
+        self_layers = cache.self_attention_cache.layers
+        return CacheLifecycle(
+            self_attention=tuple(adopt(layer, i, "self", None) for i, layer in enumerate(self_layers)),
+            cross_attention=tuple(adopt(layer, i, "cross", cache) for i, layer in enumerate(cross_cache.layers)),
+            layer_ids=ids,
+        )
+    return CacheLifecycle(
+        self_attention=tuple(adopt(layer, i, "self", None) for i, layer in enumerate(cache.layers)),
+        cross_attention=(),
+        layer_ids=ids,
+    )
+
+
+def _layer_ids(cache: ManagedCache) -> tuple[int, ...]:
+    if is_encoder_decoder_cache(cache):
+        sub = (cache.self_attention_cache, cache.cross_attention_cache)
+        return tuple(id(obj) for part in sub for obj in (part, *part.layers))
+    return tuple(id(obj) for obj in (cache, *cache.layers))
+
+
+def _per_layer_devices(device: Devices, count: int) -> list[torch.device]:
+    if isinstance(device, torch.device | str):
+        return [resolve_device(device)] * count
+    devices = [resolve_device(d) for d in device]
+    if len(devices) != count:
+        msg = f"got {len(devices)} devices for {count} cache layers; give one device or one per layer"
+        raise CacheShapeError(msg)
+    return devices
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """The device tensors allocated on `device` report: `cuda` becomes `cuda:<current index>`."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _check_matches(layer: LayerLifecycle, spec: PinSpec) -> None:
+    state = layer.state
+    if not isinstance(state, Pinned | Filled):
+        return
+    have = state.buffers
+    want_keys = (spec.batch_size, spec.num_kv_heads, have.key_shape[2], spec.key_head_dim)
+    want_values = (spec.batch_size, spec.num_kv_heads, have.value_shape[2], spec.value_head_dim)
+    mismatches = [
+        f"{what} {got!r} != requested {wanted!r}"
+        for what, got, wanted in (
+            ("keys shape", have.key_shape, want_keys),
+            ("values shape", have.value_shape, want_values),
+            ("dtype", have.dtype, spec.dtype),
+            ("device", have.device, spec.device),
+        )
+        if got != wanted
+    ]
+    if mismatches:
+        msg = (
+            f"{layer.describe()} is already {type(state).__name__} with other buffers: {'; '.join(mismatches)}. "
+            "Release the cache (CacheLifecycle.release()) or build a new one for the new request."
+        )
+        raise CacheShapeError(msg)
+
+
+def _describe_cache(cache: object) -> str:
+    if is_encoder_decoder_cache(cache):
+        return (
+            f"an EncoderDecoderCache of {type(cache.self_attention_cache).__name__} and "
+            f"{type(cache.cross_attention_cache).__name__}"
+        )
+    return f"a {type(cache).__name__}"

@@ -1,0 +1,41 @@
+"""The errors cachelife raises.
+
+Every error is a `CacheLifecycleError` and also the builtin a caller would expect (a shape error is a
+`ValueError`, a state error a `RuntimeError`), so existing `except ValueError:` code keeps working. Messages
+say what was expected, what was received, and how to fix the common misuse. An error never leaves a cache
+half-changed: the operation that raised changed nothing.
+"""
+
+from __future__ import annotations
+
+
+class CacheLifecycleError(Exception):
+    """Base class of every error cachelife raises."""
+
+
+class IllegalTransitionError(CacheLifecycleError, RuntimeError):
+    """The layer's current state does not allow the requested transition."""
+
+
+class CompiledRegionError(CacheLifecycleError, RuntimeError):
+    """Buffers would be allocated, marked or dropped while dynamo traces or a CUDA graph is captured."""
+
+
+class UnpinnedCacheError(CacheLifecycleError, RuntimeError):
+    """A layer that must be pinned (before compiled decoding, or by `require_pinned`) is not."""
+
+
+class UnmarkedBuffersError(CacheLifecycleError, RuntimeError):
+    """A layer holds buffers that were never marked static, so CUDA graphs may overwrite them."""
+
+
+class ReplacedBuffersError(CacheLifecycleError, RuntimeError):
+    """A pinned layer's buffers were replaced behind the lifecycle's back (new data pointers)."""
+
+
+class CacheShapeError(CacheLifecycleError, ValueError):
+    """Shapes, sizes, dtypes or devices do not match the model or the cache."""
+
+
+class UnsupportedCacheError(CacheLifecycleError, TypeError):
+    """The cache, or one of its layers, is of a kind cachelife cannot manage."""

@@ -1,0 +1,387 @@
+"""cachelife inside transformers: building pinned caches, and guarding `generate` and the forward call.
+
+The invariant: every layer of every static cache a model decodes with, self-attention and
+cross-attention, is pinned before the model's first forward call with that cache. `enable(model)` (or
+`CacheLifecycleMixin`) establishes it at two places and checks it at a third:
+
+1. after `_prepare_cache_for_generation` (the model's own override included), where `generate` has its
+   cache: every layer is pinned there, outside any compiled region;
+2. at the decoding boundary, eagerly before each forward call (a forward pre-hook for a compiled
+   `model.forward`, and a wrapper around transformers' auto-compiled call): a cache that reached it
+   unpinned (replaced after preparation, or built by hand) is pinned there and a WARNING is logged, or,
+   with `on_unpinned="raise"`, refused with `UnpinnedCacheError`;
+3. after each forward call, content is recorded (`Pinned -> Filled`) without reading any tensor.
+
+All of this runs in eager Python around compiled code, never inside it: the hooks return at once while
+dynamo traces, so they add no graph break, recompilation or host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias
+
+import torch
+from attrs import define, field
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
+
+from cachelife.cache import (
+    CacheLifecycle,
+    ManagedCache,
+    is_encoder_decoder_cache,
+    is_managed_cache,
+    is_static_cache,
+    lifecycle,
+)
+from cachelife.errors import CacheShapeError, UnsupportedCacheError
+from cachelife.lifecycle import FillRecord
+from cachelife.shapes import CacheShapes, model_cache_shapes
+
+logger = logging.getLogger(__name__)
+
+OnUnpinned: TypeAlias = Literal["pin", "raise"]
+
+# Where transformers passes the cache to forward and to `generate`'s model_kwargs: `cache` from 5.24 on,
+# `past_key_values` before.
+CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
+# Inputs whose first two dims are (batch, query length), in the order a decoder step reads them.
+_QUERY_INPUTS = ("decoder_input_ids", "input_ids", "decoder_inputs_embeds", "inputs_embeds")
+# Instance attributes `enable` sets; `disable` restores each exactly.
+_PATCHED = ("_prepare_cache_for_generation", "get_compiled_call")
+_GUARD_ATTRIBUTE = "_cachelife_guard"
+
+
+# -- building pinned caches --------------------------------------------------------------------------------
+
+
+def prepare_static_cache(
+    model: PreTrainedModel, *, batch_size: int, max_cache_len: int, encoder_length: int | None = None
+) -> StaticCache | EncoderDecoderCache:
+    """A static cache for `model` in which every layer is pinned, on the model's device and dtype.
+
+    Decoder-only models get a `StaticCache`; encoder-decoder models an `EncoderDecoderCache` whose
+    cross-attention cache holds exactly `encoder_length` positions in every layer (full attention, whatever
+    the decoder's self-attention layer types are). Pass it to `generate(..., past_key_values=cache)` (or
+    `cache=` from transformers 5.24) or to your own decoding loop.
+    """
+    _check_positive("batch_size", batch_size)
+    _check_positive("max_cache_len", max_cache_len)
+    shapes = model_cache_shapes(model)
+    is_encoder_decoder = bool(model.config.is_encoder_decoder)
+    if is_encoder_decoder and encoder_length is None:
+        msg = f"{type(model).__name__} is an encoder-decoder model: pass encoder_length (the encoder's output length)"
+        raise CacheShapeError(msg)
+    if not is_encoder_decoder and encoder_length is not None:
+        msg = f"{type(model).__name__} is decoder-only: it has no cross-attention cache, so pass no encoder_length"
+        raise CacheShapeError(msg)
+    decoder_config = model.config.get_text_config(decoder=True)
+    self_cache = StaticCache(config=decoder_config, max_cache_len=max_cache_len)
+    _size_from_decoder(self_cache, len(shapes.self_attention), max_cache_len)
+    cache: StaticCache | EncoderDecoderCache = self_cache
+    if encoder_length is not None:
+        _check_positive("encoder_length", encoder_length)
+        cross_cache = StaticCache(config=decoder_config, max_cache_len=encoder_length)
+        cross_cache.layers = [StaticLayer(max_cache_len=encoder_length) for _ in shapes.cross_attention]
+        cache = EncoderDecoderCache(self_cache, cross_cache)
+    pin_for_model(cache, model, batch_size=batch_size, shapes=shapes)
+    return cache
+
+
+def pin_for_model(
+    cache: ManagedCache,
+    model: PreTrainedModel,
+    *,
+    batch_size: int,
+    shapes: CacheShapes | None = None,
+    encoder_length: int | None = None,
+) -> CacheLifecycle:
+    """Pin every unpinned layer of `cache` for `model`'s shapes, dtype and device.
+
+    Cross-attention layers that are not yet allocated and are not full attention over `encoder_length`
+    positions (transformers sizes them with the decoder's sliding windows) are replaced by full-attention
+    layers of that length first.
+    """
+    if shapes is None:
+        shapes = model_cache_shapes(model)
+    if encoder_length is not None and is_encoder_decoder_cache(cache):
+        _make_cross_full_attention(cache, encoder_length)
+    state = lifecycle(cache)
+    state.pin(batch_size=batch_size, shapes=shapes, dtype=model.dtype, device=model.device)
+    return state
+
+
+# -- enabling a model --------------------------------------------------------------------------------------
+
+
+def enable(model: PreTrainedModel, *, on_unpinned: OnUnpinned = "pin") -> PreTrainedModel:
+    """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
+
+    Idempotent. `on_unpinned` decides what happens when a cache reaches a forward call unpinned (it was
+    replaced after `generate` prepared it, or built by hand): "pin" pins it there and logs a WARNING
+    (the default), "raise" raises `UnpinnedCacheError`. Fails at once, before anything is patched, if the
+    model is no transformers generation model or its cache shapes cannot be inferred.
+    """
+    if on_unpinned not in ("pin", "raise"):
+        msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
+        raise ValueError(msg)
+    existing = _guard_of(model)
+    if existing is not None:
+        existing.on_unpinned = on_unpinned
+        return model
+    if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
+        msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
+        raise UnsupportedCacheError(msg)
+    model_cache_shapes(model)  # fail now, not in the middle of generate
+    guard = _DecodingGuard(on_unpinned=on_unpinned)
+    guard.install(model)
+    return model
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `enable`: remove the hooks and restore every patched attribute exactly. Idempotent."""
+    guard = _guard_of(model)
+    if guard is not None:
+        guard.uninstall(model)
+    return model
+
+
+def is_enabled(model: object) -> bool:
+    """Whether `enable` (or `CacheLifecycleMixin`) guards this model."""
+    return _guard_of(model) is not None
+
+
+class CacheLifecycleMixin:
+    """Mix into a transformers model class, before its `PreTrainedModel` base, to enable cachelife on every
+    instance (`enable(self)` at the end of `__init__`, so `from_pretrained` models are guarded too).
+
+    Override `cachelife_cache_shapes()` (the `DeclaresCacheShapes` extension point) when the model's cache
+    shapes do not follow its config family's rule.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self, PreTrainedModel):
+            msg = f"CacheLifecycleMixin must be mixed into a transformers PreTrainedModel, not {type(self).__name__}"
+            raise UnsupportedCacheError(msg)
+        enable(self)
+
+
+# -- the guard ---------------------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class _DecodingGuard:
+    """What `enable` installs on one model: two forward hooks and two wrapped methods."""
+
+    on_unpinned: OnUnpinned
+    _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
+    # Attribute name -> the instance attribute that was there before (absent if the class provided it).
+    _saved: dict[str, Any] = field(factory=dict, alias="saved")
+
+    def install(self, model: PreTrainedModel) -> None:
+        originals = {name: getattr(model, name) for name in _PATCHED}
+        self._saved = {name: model.__dict__[name] for name in _PATCHED if name in model.__dict__}
+        prepare_signature = inspect.signature(originals["_prepare_cache_for_generation"])
+
+        def prepare_cache_for_generation(*args: Any, **kwargs: Any) -> Any:
+            result = originals["_prepare_cache_for_generation"](*args, **kwargs)
+            self.after_cache_preparation(model, prepare_signature.bind(*args, **kwargs).arguments)
+            return result
+
+        def get_compiled_call(*args: Any, **kwargs: Any) -> Any:
+            compiled = originals["get_compiled_call"](*args, **kwargs)
+            return self.guard_compiled_call(model, compiled)
+
+        model.__dict__["_prepare_cache_for_generation"] = prepare_cache_for_generation
+        model.__dict__["get_compiled_call"] = get_compiled_call
+        self._hooks = [
+            model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
+            model.register_forward_hook(self.after_forward, with_kwargs=True),
+        ]
+        model.__dict__[_GUARD_ATTRIBUTE] = self
+
+    def uninstall(self, model: PreTrainedModel) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for name in _PATCHED:
+            if name in self._saved:
+                model.__dict__[name] = self._saved[name]
+            else:
+                model.__dict__.pop(name, None)
+        model.__dict__.pop(_GUARD_ATTRIBUTE, None)
+
+    # 1. where generate has built (or been handed) its cache
+    def after_cache_preparation(self, model: PreTrainedModel, arguments: Mapping[str, Any]) -> None:
+        model_kwargs = arguments.get("model_kwargs")
+        generation_config = arguments.get("generation_config")
+        batch_size = arguments.get("batch_size")
+        if not isinstance(model_kwargs, dict) or not isinstance(batch_size, int):
+            return
+        cache = find_cache(model_kwargs)
+        if not is_managed_cache(cache):
+            return
+        if isinstance(generation_config, GenerationConfig):
+            batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        pin_for_model(cache, model, batch_size=batch_size, encoder_length=_encoder_length(model_kwargs))
+
+    # 2. the decoding boundary
+    def before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return
+        cache = find_cache(kwargs)
+        if not is_managed_cache(cache):
+            return
+        state = lifecycle(cache)
+        _check_encoder_fits(state, kwargs)
+        if state.is_pinned:
+            return
+        if self.on_unpinned == "raise" or not isinstance(module, PreTrainedModel):
+            state.require_pinned()
+            return
+        batch_size = _batch_size(kwargs)
+        if batch_size is None:
+            state.require_pinned()
+            return
+        late = ", ".join(layer.describe() for layer in state.unpinned())
+        pin_for_model(cache, module, batch_size=batch_size, encoder_length=_encoder_length(kwargs))
+        logger.warning(
+            "cache layers reached %s's forward unpinned and were pinned there: %s. Pin caches ahead "
+            "(cachelife.prepare_static_cache, or leave cache preparation to generate); pass "
+            "on_unpinned='raise' to cachelife.enable to make this an error.",
+            type(module).__name__,
+            late,
+        )
+
+    # 3. after the forward call
+    def after_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.record_content(kwargs, compiled=_is_compiled(getattr(module, "forward", None)))
+
+    def record_content(self, kwargs: Mapping[str, Any], *, compiled: bool) -> None:
+        cache = find_cache(kwargs)
+        if not is_managed_cache(cache):
+            return
+        state = lifecycle(cache)
+        if state.is_filled:
+            return
+        state.fill(FillRecord("forward", _query_length(kwargs), compiled), cross=False)
+        for layer in state.cross_attention:
+            if layer.cross_content_written:
+                layer.fill(FillRecord("forward", _encoder_length(kwargs), compiled))
+
+    def guard_compiled_call(self, model: PreTrainedModel, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap transformers' auto-compiled `__call__` so the boundary checks run eagerly around it."""
+        if not _is_compiled(compiled):  # e.g. models transformers never compiles
+            return compiled
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.before_forward(model, args, kwargs)
+            output = compiled(*args, **kwargs)
+            self.record_content(kwargs, compiled=True)
+            return output
+
+        return guarded
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def find_cache(kwargs: Mapping[str, Any]) -> object:
+    """The cache object in forward kwargs or `generate`'s model_kwargs, under either transformers name."""
+    for name in CACHE_ARGUMENT_NAMES:
+        cache = kwargs.get(name)
+        if cache is not None:
+            return cache
+    return None
+
+
+def _guard_of(model: object) -> _DecodingGuard | None:
+    guard = getattr(model, "__dict__", {}).get(_GUARD_ATTRIBUTE)
+    return guard if isinstance(guard, _DecodingGuard) else None
+
+
+def _is_compiled(function: object) -> bool:
+    return getattr(function, "_torchdynamo_orig_callable", None) is not None
+
+
+def _first_tensor(kwargs: Mapping[str, Any], names: tuple[str, ...]) -> torch.Tensor | None:
+    for name in names:
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _batch_size(kwargs: Mapping[str, Any]) -> int | None:
+    query = _first_tensor(kwargs, _QUERY_INPUTS)
+    if query is not None:
+        return int(query.shape[0])
+    encoded = _encoder_states(kwargs)
+    return None if encoded is None else int(encoded.shape[0])
+
+
+def _query_length(kwargs: Mapping[str, Any]) -> int | None:
+    query = _first_tensor(kwargs, _QUERY_INPUTS)
+    return None if query is None or query.dim() < 2 else int(query.shape[1])
+
+
+def _encoder_states(kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    encoder_outputs = kwargs.get("encoder_outputs")
+    if encoder_outputs is None:
+        return None
+    states = encoder_outputs[0]
+    return states if isinstance(states, torch.Tensor) else None
+
+
+def _encoder_length(kwargs: Mapping[str, Any]) -> int | None:
+    states = _encoder_states(kwargs)
+    return None if states is None or states.dim() < 2 else int(states.shape[1])
+
+
+def _check_encoder_fits(state: CacheLifecycle, kwargs: Mapping[str, Any]) -> None:
+    length = _encoder_length(kwargs)
+    if length is None:
+        return
+    for layer in state.cross_attention:
+        capacity = layer.capacity
+        if capacity is not None and length > capacity:
+            msg = (
+                f"the encoder output has {length} positions but {layer.describe()} holds {capacity}; build "
+                "the cache with encoder_length >= the encoder's output length"
+            )
+            raise CacheShapeError(msg)
+
+
+def _make_cross_full_attention(cache: EncoderDecoderCache, encoder_length: int) -> None:
+    cross_cache = cache.cross_attention_cache
+    if not is_static_cache(cross_cache):
+        return
+    for index, layer in enumerate(cross_cache.layers):
+        full = type(layer) is StaticLayer and layer.max_cache_len == encoder_length
+        if not full and isinstance(layer, StaticLayer) and not layer.is_initialized:
+            cross_cache.layers[index] = StaticLayer(max_cache_len=encoder_length)
+
+
+def _size_from_decoder(cache: StaticCache, layers: int, max_cache_len: int) -> None:
+    # transformers sizes a StaticCache by `num_hidden_layers`, which some encoder-decoder configs (T5 with
+    # num_decoder_layers != num_layers) set to the encoder's layer count.
+    if len(cache.layers) == layers:
+        return
+    if all(type(layer) is StaticLayer for layer in cache.layers):
+        cache.layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)]
+        return
+    msg = f"the decoder has {layers} layers but its config builds a StaticCache of {len(cache.layers)}"
+    raise CacheShapeError(msg)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be a positive int, got {value!r}"
+        raise CacheShapeError(msg)

@@ -1,0 +1,291 @@
+"""The lifecycle of one cache layer: its states, its transitions, and nothing else.
+
+Rules:
+- Everything that changes a layer's lifecycle state lives in this module. A `LayerLifecycle` changes state
+  only in its four transition methods (`pin`, `fill`, `reset`, `release`); callers read `.state`.
+- The legal transitions are the table `TRANSITIONS`. An event the table does not list for the current state
+  raises `IllegalTransitionError` naming the layer, its role, the state and the fix, and changes nothing.
+- A transition first checks that it is legal, then acts on the buffers (`cachelife.buffers`), then records
+  the new state and logs one DEBUG line. If acting fails, the state stays as it was.
+- Buffers are never allocated, marked or dropped inside a compiled or captured region.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Final, Literal, TypeAlias
+
+from attrs import define, field, frozen
+from transformers.cache_utils import EncoderDecoderCache, StaticLayer
+
+from cachelife import buffers
+from cachelife.buffers import Buffers, PinSpec
+from cachelife.errors import IllegalTransitionError, UnmarkedBuffersError, UnsupportedCacheError
+
+logger = logging.getLogger(__name__)
+
+Role: TypeAlias = Literal["self", "cross"]
+Event: TypeAlias = Literal["pin", "fill", "reset", "release"]
+
+
+@frozen
+class Unallocated:
+    """No storage yet: unless pinned first, the layer allocates lazily on its first update."""
+
+
+@frozen
+class Pinned:
+    """Buffers allocated at their final shape, dtype and device, marked static, holding no content."""
+
+    buffers: Buffers
+
+
+@frozen
+class FillRecord:
+    """What first wrote content into a pinned layer."""
+
+    source: str
+    # Positions that first write covered, when known.
+    positions: int | None = None
+    # Whether the write ran inside a compiled function; None when cachelife did not see it.
+    compiled: bool | None = None
+
+
+@frozen
+class Filled:
+    """Pinned buffers that hold content."""
+
+    buffers: Buffers
+    filled_by: FillRecord
+
+
+LayerState: TypeAlias = Unallocated | Pinned | Filled
+
+TRANSITIONS: Final[Mapping[tuple[type[LayerState], Event], type[LayerState]]] = {
+    (Unallocated, "pin"): Pinned,
+    (Pinned, "fill"): Filled,
+    (Filled, "reset"): Pinned,
+    # Resetting an empty layer zeroes it again; it keeps the call idempotent for pools and loops.
+    (Pinned, "reset"): Pinned,
+    (Pinned, "release"): Unallocated,
+    (Filled, "release"): Unallocated,
+}
+
+_FIXES: Final[Mapping[tuple[type[LayerState], Event], str]] = {
+    (Pinned, "pin"): "it is already pinned; CacheLifecycle.pin() skips pinned layers",
+    (Filled, "pin"): "it is already pinned and holds content; call reset() to empty it in place",
+    (Unallocated, "fill"): "pin it first, outside any compiled region",
+    (Filled, "fill"): "it already holds content; reset() it before filling it again",
+    (Unallocated, "reset"): "it holds no buffers to reset; pin it first",
+    (Unallocated, "release"): "it holds no buffers to release",
+}
+
+
+def is_pinned_state(state: LayerState) -> bool:
+    """Whether a layer in this state holds static buffers (pinned, with or without content)."""
+    return isinstance(state, Pinned | Filled)
+
+
+@define(eq=False)
+class LayerLifecycle:
+    """The lifecycle of one transformers cache layer: which buffers it holds and whether they are pinned.
+
+    Holds the layer weakly: the cache owns its layers, and a dropped cache frees its buffers at once.
+    """
+
+    index: int
+    role: Role
+    _layer: weakref.ReferenceType[StaticLayer] = field(alias="layer")
+    _owner: weakref.ReferenceType[EncoderDecoderCache] | None = field(alias="owner")
+    _state: LayerState = field(alias="state")
+
+    @classmethod
+    def adopt(
+        cls, layer: object, *, index: int, role: Role, owner: EncoderDecoderCache | None = None
+    ) -> LayerLifecycle:
+        """Start tracking a transformers layer, deriving its state from the storage it holds now.
+
+        A layer with content that was never seen by cachelife is `Filled`; reading a full-attention
+        layer's length for that costs one host-device synchronisation, here only, never per step.
+        """
+        who = f"layer {index} ({role}-attention)"
+        if not buffers.is_static_layer(layer):
+            msg = (
+                f"{who} is a {type(layer).__name__}; cachelife pins static caches whose layers are "
+                "transformers' StaticLayer or StaticSlidingWindowLayer. Use cache_implementation='static'."
+            )
+            raise UnsupportedCacheError(msg)
+        if not buffers.is_plain_static_layer(layer):
+            msg = (
+                f"{who} is a {type(layer).__name__}, a StaticLayer subclass that may hold storage beyond keys "
+                "and values (indexer or linear-attention state); cachelife pins StaticLayer and "
+                "StaticSlidingWindowLayer only, and refuses the whole cache rather than pin part of it."
+            )
+            raise UnsupportedCacheError(msg)
+        owner_ref = None if owner is None else weakref.ref(owner)
+        return cls(
+            index=index,
+            role=role,
+            layer=weakref.ref(layer),
+            owner=owner_ref,
+            state=_observed_state(layer, who, index, owner),
+        )
+
+    @property
+    def state(self) -> LayerState:
+        """The layer's current state (a frozen value; compare or match on its class)."""
+        return self._state
+
+    @property
+    def layer(self) -> StaticLayer:
+        """The transformers layer this lifecycle tracks."""
+        layer = self._layer()
+        if layer is None:
+            msg = f"{self.describe()} no longer exists: its cache was garbage-collected"
+            raise UnsupportedCacheError(msg)
+        return layer
+
+    def tracks(self, layer: object) -> bool:
+        """Whether this lifecycle tracks exactly that layer object."""
+        return self._layer() is layer
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether the layer holds static buffers (state `Pinned` or `Filled`)."""
+        return is_pinned_state(self._state)
+
+    @property
+    def capacity(self) -> int | None:
+        """How many positions the layer holds (its `max_cache_len`), or None if the layer is gone."""
+        layer = self._layer()
+        return None if layer is None else layer.max_cache_len
+
+    @property
+    def cross_content_written(self) -> bool:
+        """For a cross-attention layer: whether the model has announced its encoder keys and values."""
+        owner = None if self._owner is None else self._owner()
+        return owner is not None and bool(owner.is_updated.get(self.index, False))
+
+    def describe(self) -> str:
+        """Name the layer for messages: index and role."""
+        return f"layer {self.index} ({self.role}-attention)"
+
+    # -- transitions -------------------------------------------------------------------------------------
+
+    def pin(self, spec: PinSpec) -> Pinned:
+        """Allocate the layer's buffers at final shape, dtype and device and mark them static."""
+        self._check("pin")
+        layer = self.layer
+        buffers.refuse_in_compiled_region("pin", self.describe())
+        new = Pinned(buffers.allocate(layer, spec))
+        self._enter("pin", new)
+        return new
+
+    def fill(self, record: FillRecord) -> Filled:
+        """Record that the pinned buffers now hold content, and what wrote it."""
+        state = self._state
+        self._check("fill")
+        if not isinstance(state, Pinned):  # unreachable: the table allows fill from Pinned only
+            raise self._illegal("fill")
+        new = Filled(state.buffers, record)
+        self._enter("fill", new)
+        return new
+
+    def reset(self) -> Pinned:
+        """Empty the buffers in place, keeping every data pointer, so they can be filled again."""
+        state = self._state
+        self._check("reset")
+        if not isinstance(state, Pinned | Filled):  # unreachable: see TRANSITIONS
+            raise self._illegal("reset")
+        layer = self.layer
+        buffers.refuse_in_compiled_region("reset", self.describe())
+        buffers.zero(layer, state.buffers, self.describe())
+        self._forget_cross_content()
+        new = Pinned(state.buffers)
+        self._enter("reset", new)
+        return new
+
+    def release(self) -> Unallocated:
+        """Drop the buffers; the layer is back to lazy allocation, exactly as transformers builds it."""
+        self._check("release")
+        layer = self.layer
+        buffers.refuse_in_compiled_region("release", self.describe())
+        buffers.drop(layer)
+        self._forget_cross_content()
+        new = Unallocated()
+        self._enter("release", new)
+        return new
+
+    # -- machinery ---------------------------------------------------------------------------------------
+
+    def _check(self, event: Event) -> None:
+        if (type(self._state), event) not in TRANSITIONS:
+            raise self._illegal(event)
+
+    def _illegal(self, event: Event) -> IllegalTransitionError:
+        key = (type(self._state), event)
+        fix = _FIXES.get(key, "see cachelife.lifecycle.TRANSITIONS for the legal transitions")
+        msg = f"cannot {event} {self.describe()}: it is {type(self._state).__name__}; {fix}"
+        return IllegalTransitionError(msg)
+
+    def _enter(self, event: Event, new: LayerState) -> None:
+        old = self._state
+        self._state = new
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s", describe_transition(self, event, old, new))
+
+    def _forget_cross_content(self) -> None:
+        # A cross-attention layer's content is announced to the model by `EncoderDecoderCache.is_updated`;
+        # an emptied layer must not be read as computed encoder keys and values.
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and self.index in owner.is_updated:
+            owner.is_updated[self.index] = False
+
+
+def describe_transition(layer: LayerLifecycle, event: Event, old: LayerState, new: LayerState) -> str:
+    """One greppable line: layer, role, event, from -> to, shapes, dtype, device, pointers, marks, region."""
+    head = f"layer={layer.index} role={layer.role} {event}: {type(old).__name__} -> {type(new).__name__}"
+    state = new if isinstance(new, Pinned | Filled) else old
+    if not isinstance(state, Pinned | Filled):
+        return head
+    recorded = state.buffers
+    live = layer.layer
+    static = "yes" if all(buffers.is_marked_static(t) for _, t in buffers.static_tensors(live)) else "no"
+    if isinstance(new, Filled):
+        compiled = {True: "yes", False: "no", None: "unknown"}[new.filled_by.compiled]
+        origin = f" by={new.filled_by.source} positions={new.filled_by.positions}"
+    else:
+        compiled = "no" if buffers.compiled_region() is None else "yes"
+        origin = ""
+    ptrs = ",".join(f"{name}=0x{ptr:x}" for name, ptr in recorded.data_ptrs)
+    return (
+        f"{head} keys={recorded.key_shape} values={recorded.value_shape} "
+        f"dtype={str(recorded.dtype).removeprefix('torch.')} device={recorded.device} data_ptr={ptrs} "
+        f"static={static if not isinstance(new, Unallocated) else 'released'} compiled={compiled}{origin}"
+    )
+
+
+def _observed_state(layer: StaticLayer, who: str, index: int, owner: EncoderDecoderCache | None) -> LayerState:
+    recorded = buffers.observe(layer)
+    if recorded is None:
+        return Unallocated()
+    unmarked = buffers.unmarked_tensors(layer)
+    if unmarked:
+        msg = (
+            f"{who} holds buffers that were never marked static ({', '.join(unmarked)}): they were allocated "
+            "lazily inside a compiled region, where transformers skips mark_static_address, and may live in "
+            "the CUDA-graph memory pool. Build a fresh cache (cachelife.prepare_static_cache) instead."
+        )
+        raise UnmarkedBuffersError(msg)
+    if owner is not None:
+        written = bool(owner.is_updated.get(index, False))
+        positions = recorded.key_shape[2] if written else 0
+    elif buffers.is_sliding_layer(layer):
+        positions = layer.cumulative_length_int
+    else:
+        positions = int(layer.cumulative_length)
+    if positions == 0:
+        return Pinned(recorded)
+    return Filled(recorded, FillRecord("content found when cachelife adopted the cache", positions))

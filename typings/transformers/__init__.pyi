@@ -1,0 +1,26 @@
+# Stubs for the parts of transformers that cachelife, its tests and benchmarks use.
+# Checked against transformers 5.17.0, 5.23.0 and 5.24.0 (tests/test_stubs.py checks every name exists).
+from transformers.cache_utils import (
+    Cache as Cache,
+    DynamicCache as DynamicCache,
+    EncoderDecoderCache as EncoderDecoderCache,
+    StaticCache as StaticCache,
+)
+from transformers.configuration_utils import PreTrainedConfig as PreTrainedConfig
+from transformers.generation.configuration_utils import (
+    CompileConfig as CompileConfig,
+    GenerationConfig as GenerationConfig,
+)
+from transformers.modeling_utils import PreTrainedModel as PreTrainedModel
+from transformers.models import (
+    BartConfig as BartConfig,
+    BartForConditionalGeneration as BartForConditionalGeneration,
+    LlamaConfig as LlamaConfig,
+    LlamaForCausalLM as LlamaForCausalLM,
+    T5Config as T5Config,
+    T5ForConditionalGeneration as T5ForConditionalGeneration,
+    WhisperConfig as WhisperConfig,
+    WhisperForConditionalGeneration as WhisperForConditionalGeneration,
+)
+
+__version__: str

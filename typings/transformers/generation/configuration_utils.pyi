@@ -1,0 +1,27 @@
+# transformers.generation.configuration_utils, as checked against 5.17.0, 5.23.0 and 5.24.0.
+from typing import Any
+
+class CompileConfig:
+    fullgraph: bool
+    dynamic: bool | None
+    backend: str
+    mode: str
+    # Class attribute transformers reads to allow auto-compilation on devices other than CUDA.
+    _compile_all_devices: bool | None
+    def __init__(
+        self,
+        fullgraph: bool = False,
+        dynamic: bool | None = False,
+        backend: str = "inductor",
+        mode: str = "reduce-overhead",
+        options: dict[str, Any] | None = None,
+    ) -> None: ...
+
+class GenerationConfig:
+    num_beams: int
+    num_return_sequences: int
+    cache_implementation: str | None
+    compile_config: CompileConfig | None
+    disable_compile: bool
+    max_length: int
+    def __init__(self, **kwargs: Any) -> None: ...

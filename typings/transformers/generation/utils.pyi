@@ -1,0 +1,21 @@
+# transformers.generation.utils, as checked against 5.17.0, 5.23.0 and 5.24.0.
+from typing import Any
+
+import torch
+from transformers.generation.configuration_utils import GenerationConfig
+from transformers.utils import ModelOutput
+
+class GenerationMixin:
+    def generate(
+        self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
+    ) -> torch.Tensor | ModelOutput: ...
+    # Writes the cache it builds (or checks the one it is given) into model_kwargs. The signature is the
+    # same in every version listed above.
+    def _prepare_cache_for_generation(
+        self,
+        generation_config: GenerationConfig,
+        model_kwargs: dict[str, Any],
+        generation_mode: Any,
+        batch_size: int,
+        max_cache_length: int,
+    ) -> None: ...
