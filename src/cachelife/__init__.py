@@ -1,12 +1,12 @@
 """cachelife: an explicit, typed lifecycle for transformers static KV caches under torch.compile and CUDA graphs.
 
-Every layer cache moves through `Unallocated -> Pinned -> Filled` (see `cachelife.lifecycle`). `enable`
+Every layer cache moves through `Unallocated -> Pinned -> Filled` (see `cachelife.layer_lifecycle`). `enable`
 guards a model so that `generate` decodes only with pinned caches; `prepare_static_cache` builds pinned
 caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache.
 """
 
 from cachelife.buffers import Buffers, PinSpec
-from cachelife.cache import CacheLifecycle, is_managed_cache, lifecycle
+from cachelife.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
 from cachelife.errors import (
     CacheLifecycleError,
     CacheShapeError,
@@ -25,7 +25,7 @@ from cachelife.integration import (
     pin_for_model,
     prepare_static_cache,
 )
-from cachelife.lifecycle import TRANSITIONS, Filled, FillRecord, LayerLifecycle, LayerState, Pinned, Unallocated
+from cachelife.layer_lifecycle import TRANSITIONS, Filled, FillRecord, LayerLifecycle, LayerState, Pinned, Unallocated
 from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
 from cachelife.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, infer_cache_shapes, model_cache_shapes
 

@@ -1,39 +1,67 @@
-"""Command line: `python -m cachelife demo` runs the main job (see `cachelife.demo`)."""
+"""Command line: `python -m cachelife demo` runs the main job; `recipe` runs the compiled recipe once.
+
+`recipe --json` prints one `RESULT {...}` line, for tests and benchmarks that run it in a fresh process.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from cachelife import zoo
 from cachelife.demo import run_demo
+from cachelife.recipe import run_recipe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run it, and return the process exit status."""
     parser = argparse.ArgumentParser(prog="python -m cachelife", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="compiled static-cache generation with cachelife on a small model, checked against eager"
-    )
-    demo.add_argument("--model", default="t5", choices=zoo.MODEL_NAMES, help="zoo model (default: t5)")
-    demo.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if available)")
-    demo.add_argument("--batch-size", type=int, default=2)
-    demo.add_argument("--input-length", type=int, default=12)
-    demo.add_argument("--new-tokens", type=int, default=16)
-    demo.add_argument("--calls", type=int, default=2, help="compiled generate calls to check (default: 2)")
+    demo = commands.add_parser("demo", help="compiled static-cache generation with cachelife, checked against eager")
+    recipe = commands.add_parser("recipe", help="the compiled static-cache recipe, with or without cachelife")
+    for command, calls, batch, length, tokens in ((demo, 2, 2, 12, 16), (recipe, 3, 4, 48, 64)):
+        command.add_argument("--model", default="t5", choices=zoo.MODEL_NAMES, help="zoo model (default: t5)")
+        command.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if available)")
+        command.add_argument("--batch-size", type=int, default=batch)
+        command.add_argument("--input-length", type=int, default=length)
+        command.add_argument("--new-tokens", type=int, default=tokens)
+        command.add_argument("--calls", type=int, default=calls, help=f"compiled generate calls (default: {calls})")
+    recipe.add_argument("--without-cachelife", action="store_true", help="run transformers as released")
+    recipe.add_argument("--compile", choices=("forward", "auto"), default="forward")
+    recipe.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    recipe.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
     args = parser.parse_args(argv)
-    result = run_demo(
-        model_name=args.model,
+    if args.command == "demo":
+        report = run_demo(
+            model_name=args.model,
+            device=args.device,
+            batch_size=args.batch_size,
+            input_length=args.input_length,
+            new_tokens=args.new_tokens,
+            calls=args.calls,
+            out=sys.stdout,
+        )
+        return 0 if report.ok else 1
+    report = run_recipe(
+        args.model,
+        use_cachelife=not args.without_cachelife,
+        compile_mode=args.compile,
         device=args.device,
+        dtype=getattr(torch, args.dtype),
         batch_size=args.batch_size,
         input_length=args.input_length,
         new_tokens=args.new_tokens,
         calls=args.calls,
-        out=sys.stdout,
     )
-    return 0 if result.ok else 1
+    if args.json:
+        print("RESULT " + json.dumps(report.to_json()), flush=True)
+    else:
+        print(json.dumps(report.to_json(), indent=2))
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

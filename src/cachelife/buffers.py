@@ -1,7 +1,7 @@
 """The storage of one transformers cache layer: how it is allocated, marked static, zeroed and dropped.
 
 These functions act on transformers' layer objects (`StaticLayer` and its sliding-window subclass) and know
-their attributes; they hold no lifecycle state. `cachelife.lifecycle` decides when each one may run.
+their attributes; they hold no lifecycle state. `cachelife.layer_lifecycle` decides when each one may run.
 """
 
 from __future__ import annotations

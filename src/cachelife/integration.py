@@ -28,7 +28,7 @@ from attrs import define, field
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
-from cachelife.cache import (
+from cachelife.cache_lifecycle import (
     CacheLifecycle,
     ManagedCache,
     is_encoder_decoder_cache,
@@ -37,7 +37,7 @@ from cachelife.cache import (
     lifecycle,
 )
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
-from cachelife.lifecycle import FillRecord
+from cachelife.layer_lifecycle import FillRecord
 from cachelife.shapes import CacheShapes, model_cache_shapes
 
 logger = logging.getLogger(__name__)
@@ -300,6 +300,12 @@ def find_cache(kwargs: Mapping[str, Any]) -> object:
         if cache is not None:
             return cache
     return None
+
+
+def cache_argument_name(model: PreTrainedModel) -> str:
+    """The keyword `model.forward` and `generate` take the cache under: `cache` (5.24+) or `past_key_values`."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _guard_of(model: object) -> _DecodingGuard | None:

@@ -140,35 +140,98 @@ def decoder_only_shapes(config: PreTrainedConfig) -> CacheShapes:
     return CacheShapes(tuple(shapes))
 
 
-def _t5_shapes(config: PreTrainedConfig) -> CacheShapes:
-    """T5 and its descendants: `num_heads` heads of `d_kv` in every attention, `num_decoder_layers` layers."""
-    shape = LayerShape(_int(config, "num_heads"), _int(config, "d_kv"), _int(config, "d_kv"))
-    return CacheShapes.uniform(_int(config, "num_decoder_layers", "num_layers"), shape, shape)
+@frozen
+class FamilyRule:
+    """Which config attributes give one family's decoder cache shapes; of each tuple, the first set wins.
+
+    Attributes are read by their own names, never through aliases such as `num_attention_heads`, which
+    in many encoder-decoder configs (BART, Whisper, ...) point at the encoder.
+    """
+
+    layers: tuple[str, ...]
+    heads: tuple[str, ...]
+    kv_heads: tuple[str, ...] = ()  # grouped-query attention; the head count otherwise
+    head_dim: tuple[str, ...] = ()  # explicit head dim; hidden size over heads otherwise
+    hidden: tuple[str, ...] = ("d_model", "hidden_size")
+    cross_kv_heads: tuple[str, ...] = ()  # cross-attention differs from self-attention (Dia)
+    cross_head_dim: tuple[str, ...] = ()
+    decoder_config: bool = False  # read `config.get_text_config(decoder=True)`, not the top-level config
+
+    def __call__(self, config: PreTrainedConfig) -> CacheShapes:
+        source = config.get_text_config(decoder=True) if self.decoder_config else config
+        layers = _int(source, *self.layers)
+        heads = _int(source, *self.heads)
+        kv_heads = _optional_int(source, *self.kv_heads) or heads
+        head_dim = _optional_int(source, *self.head_dim) or _int(source, *self.hidden) // heads
+        own = LayerShape(kv_heads, head_dim, head_dim)
+        cross_dim = _optional_int(source, *self.cross_head_dim) or head_dim
+        cross = LayerShape(_optional_int(source, *self.cross_kv_heads) or kv_heads, cross_dim, cross_dim)
+        return CacheShapes.uniform(layers, own, cross if config.is_encoder_decoder else None)
 
 
-def _bart_shapes(config: PreTrainedConfig) -> CacheShapes:
-    """BART-style decoders (BART, mBART, Marian, Pegasus, Whisper, ...): `decoder_attention_heads` heads of
-    `d_model / heads` in self- and cross-attention, `decoder_layers` layers."""
-    heads = _int(config, "decoder_attention_heads")
-    head_dim = _int(config, "d_model") // heads
-    shape = LayerShape(heads, head_dim, head_dim)
-    return CacheShapes.uniform(_int(config, "decoder_layers"), shape, shape)
+def _composite_shapes(config: PreTrainedConfig) -> CacheShapes:
+    """EncoderDecoderModel and friends: the decoder sub-config's family rule, with cross-attention like
+    self-attention (the decoder's cross-attention projects encoder states to the decoder's heads)."""
+    decoder = config.get_text_config(decoder=True)
+    rule = FAMILY_RULES.get(decoder.model_type)
+    own = (rule(decoder) if rule is not None else decoder_only_shapes(decoder)).self_attention
+    return CacheShapes(own, own)
 
+
+_T5 = FamilyRule(layers=("num_decoder_layers", "num_layers"), heads=("num_heads",), head_dim=("d_kv",))
+_BART = FamilyRule(layers=("decoder_layers",), heads=("decoder_attention_heads",))
+_DECODER_SUBCONFIG = FamilyRule(
+    layers=("num_hidden_layers",),
+    heads=("num_attention_heads",),
+    kv_heads=("num_key_value_heads",),
+    head_dim=("head_dim",),
+    hidden=("hidden_size",),
+    decoder_config=True,
+)
 
 FAMILY_RULES: Final[Mapping[str, ShapeRule]] = {
-    **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers"), _t5_shapes),
+    **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
+    "pix2struct": FamilyRule(layers=("num_layers",), heads=("num_heads",), head_dim=("d_kv",), decoder_config=True),
     **dict.fromkeys(
         (
             "bart",
             "mbart",
             "marian",
             "pegasus",
+            "pegasus_x",
             "blenderbot",
             "blenderbot-small",
             "plbart",
             "m2m_100",
+            "nllb-moe",
+            "mvp",
+            "bigbird_pegasus",
+            "led",
+            "fsmt",
             "whisper",
+            "speech_to_text",
+            "speecht5",
+            "seamless_m4t",
+            "seamless_m4t_v2",
+            "trocr",
         ),
-        _bart_shapes,
+        _BART,
     ),
+    "prophetnet": FamilyRule(
+        layers=("num_decoder_layers",), heads=("num_decoder_attention_heads",), hidden=("hidden_size",)
+    ),
+    **dict.fromkeys(
+        ("t5gemma", "t5gemma2", "canary", "cohere_asr", "moonshine", "moonshine_streaming"), _DECODER_SUBCONFIG
+    ),
+    "dia": FamilyRule(
+        layers=("num_hidden_layers",),
+        heads=("num_attention_heads",),
+        kv_heads=("num_key_value_heads",),
+        head_dim=("head_dim",),
+        hidden=("hidden_size",),
+        cross_kv_heads=("cross_num_key_value_heads",),
+        cross_head_dim=("cross_head_dim",),
+        decoder_config=True,
+    ),
+    **dict.fromkeys(("encoder-decoder", "vision-encoder-decoder", "speech-encoder-decoder"), _composite_shapes),
 }

@@ -9,6 +9,7 @@ class GenerationMixin:
     def generate(
         self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
     ) -> torch.Tensor | ModelOutput: ...
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]: ...
     # Writes the cache it builds (or checks the one it is given) into model_kwargs. The signature is the
     # same in every version listed above.
     def _prepare_cache_for_generation(

@@ -226,7 +226,7 @@ class LayerLifecycle:
 
     def _illegal(self, event: Event) -> IllegalTransitionError:
         key = (type(self._state), event)
-        fix = _FIXES.get(key, "see cachelife.lifecycle.TRANSITIONS for the legal transitions")
+        fix = _FIXES.get(key, "see cachelife.layer_lifecycle.TRANSITIONS for the legal transitions")
         msg = f"cannot {event} {self.describe()}: it is {type(self._state).__name__}; {fix}"
         return IllegalTransitionError(msg)
 

@@ -18,7 +18,7 @@ from typing_extensions import TypeIs
 
 from cachelife.buffers import PinSpec
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.lifecycle import Filled, FillRecord, LayerLifecycle, Pinned, Role, Unallocated
+from cachelife.layer_lifecycle import Filled, FillRecord, LayerLifecycle, Pinned, Role, Unallocated
 from cachelife.shapes import CacheShapes, LayerShape
 
 ManagedCache: TypeAlias = StaticCache | EncoderDecoderCache

@@ -1,0 +1,188 @@
+"""The whole GPU suite, in one command, for a CUDA machine with torch, pytest and attrs installed.
+
+    python3 bench/gpu_suite.py [--stages tests,diagnose] [--out DIR]
+
+Runs the GPU tests (pytest -m gpu) against the image's transformers and every wheel in `.whl/`
+(`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once, and the
+other stages asked for. Writes `gpu-summary.json` (outcomes, recipe reports and CUDA-graph counters per
+version) and `gpu-logs.tar.gz` (every log) to --out (default: $OUT, else bench/results/gpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def versions(work: Path) -> dict[str, str]:
+    """transformers version -> extra PYTHONPATH entry ('' for the image's own)."""
+    image = subprocess.run(
+        [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    found = {image: ""}
+    for wheel in sorted((ROOT / ".whl").glob("transformers-*.whl")):
+        version = wheel.name.split("-")[1]
+        if version in found:
+            continue
+        target = work / f"transformers-{version}"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+             "--target", str(target), str(wheel)],
+            check=True,
+        )  # fmt: skip
+        found[version] = str(target)
+    return found
+
+
+def environment(extra_path: str, **more: str) -> dict[str, str]:
+    paths = [p for p in (extra_path, str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **more}
+
+
+def run_tests(found: dict[str, str], work: Path, workers: int) -> dict[str, Any]:
+    """pytest -m gpu for every transformers version at once; one log, junit file and recipe file each."""
+    running = {}
+    for version, path in found.items():
+        log = (work / f"pytest-{version}.log").open("w")
+        command = [
+            sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-n", str(workers),
+            "-rA", f"--junitxml={work / f'junit-{version}.xml'}", str(ROOT / "tests" / "test_gpu.py"),
+        ]  # fmt: skip
+        env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}.jsonl"))
+        running[version] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    results: dict[str, Any] = {}
+    for version, process in running.items():
+        returncode = process.wait()
+        results[version] = {
+            "pytest_returncode": returncode,
+            "tests": junit_outcomes(work / f"junit-{version}.xml"),
+            "recipes": recipe_summaries(work / f"recipes-{version}.jsonl"),
+        }
+    return results
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    outcomes = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        status = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                status = child.tag
+        outcomes[name] = status
+    return outcomes
+
+
+def recipe_summaries(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    summaries = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        summaries.append(
+            {
+                "arguments": record.get("arguments"),
+                "returncode": record.get("returncode"),
+                "killed_by": record.get("killed_by"),
+                "ok": record.get("ok"),
+                "use_cachelife": record.get("use_cachelife"),
+                "device": record.get("device"),
+                "torch": record.get("torch"),
+                "transformers": record.get("transformers"),
+                "eager_seconds": record.get("eager_seconds"),
+                "calls": [
+                    {
+                        "seconds": call["seconds"],
+                        "equal_to_eager": call["equal_to_eager"],
+                        "error": None if call["error"] is None else call["error"].splitlines()[0][:300],
+                        **call["health"],
+                    }
+                    for call in record.get("calls", [])
+                ],
+            }
+        )
+    return summaries
+
+
+def diagnose_skips(found: dict[str, str], work: Path, processes: int) -> dict[str, Any]:
+    """Fresh processes of the cachelife recipe with dynamo/inductor static-input logging, for skip analysis."""
+    version, path = next(iter(found.items()))
+    running = []
+    for index in range(processes):
+        log = (work / f"diagnose-{index}.log").open("w")
+        env = environment(path, TORCH_LOGS="cudagraph_static_inputs,cudagraphs,recompiles")
+        command = [sys.executable, "-m", "cachelife", "recipe", "--json", "--model", "t5-small", "--calls", "3"]
+        running.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    outcomes = []
+    for index, process in enumerate(running):
+        process.wait()
+        text = (work / f"diagnose-{index}.log").read_text(errors="replace")
+        result = [line for line in text.splitlines() if line.startswith("RESULT ")]
+        record = json.loads(result[-1].removeprefix("RESULT ")) if result else {}
+        outcomes.append(
+            {
+                "returncode": process.returncode,
+                "ok": record.get("ok"),
+                "health": [call["health"] for call in record.get("calls", [])],
+                "skip_lines": [line[:400] for line in text.splitlines() if "skipping cudagraph" in line][:5],
+                "non_static_lines": [line[:300] for line in text.splitlines() if "Non-static input pos" in line][:40],
+            }
+        )
+    return {"transformers": version, "processes": outcomes}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--stages", default="tests,diagnose")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
+    parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = args.stages.split(",")
+    import torch
+
+    summary: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        found = versions(work)
+        summary["transformers_versions"] = list(found)
+        if "tests" in stages:
+            summary["tests"] = run_tests(found, work, args.workers)
+        if "diagnose" in stages:
+            summary["diagnose"] = diagnose_skips(found, work, processes=5)
+        (out / "gpu-summary.json").write_text(json.dumps(summary, indent=1))
+        with tarfile.open(out / "gpu-logs.tar.gz", "w:gz") as archive:
+            for path in sorted(work.glob("*.log")) + sorted(work.glob("*.jsonl")) + sorted(work.glob("*.xml")):
+                archive.add(path, arcname=path.name)
+    for version, result in summary.get("tests", {}).items():
+        counts: dict[str, int] = {}
+        for status in result["tests"].values():
+            counts[status] = counts.get(status, 0) + 1
+        print(f"transformers {version}: pytest rc={result['pytest_returncode']} {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
