@@ -18,9 +18,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,8 +158,6 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
-    import torch
-
     summary: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
