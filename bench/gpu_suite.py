@@ -1,6 +1,6 @@
 """The whole GPU suite, in one command, for a CUDA machine with torch, pytest and attrs installed.
 
-    python3 bench/gpu_suite.py [--stages tests,diagnose] [--out DIR]
+    python3 bench/gpu_suite.py [--stages tests,health,probe] [--out DIR]
 
 Runs the GPU tests (pytest -m gpu) against the image's transformers and every wheel in `.whl/`
 (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once, and the
@@ -61,7 +61,8 @@ def run_tests(found: dict[str, str], work: Path, workers: int) -> dict[str, Any]
     for version, path in found.items():
         log = (work / f"pytest-{version}.log").open("w")
         command = [
-            sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-n", str(workers),
+            sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:benchmark",
+            "-n", str(workers),
             "-rA", f"--junitxml={work / f'junit-{version}.xml'}", str(ROOT / "tests" / "test_gpu.py"),
         ]  # fmt: skip
         env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}.jsonl"))
@@ -122,28 +123,71 @@ def recipe_summaries(path: Path) -> list[dict[str, Any]]:
     return summaries
 
 
-def diagnose_skips(found: dict[str, str], work: Path, processes: int) -> dict[str, Any]:
-    """Fresh processes of the cachelife recipe with dynamo/inductor static-input logging, for skip analysis."""
+def health(found: dict[str, str], work: Path, processes: int, parallel: int) -> dict[str, Any]:
+    """The cachelife recipe in `processes` fresh processes per model and compile mode: skips, re-records."""
     version, path = next(iter(found.items()))
+    jobs = [
+        (model, mode, index)
+        for model in ("t5-small", "bart-small", "whisper-small", "llama-small")
+        for mode in ("forward", "auto")
+        for index in range(processes)
+    ]
+    outcomes: dict[str, list[dict[str, Any]]] = {}
+    for start in range(0, len(jobs), parallel):
+        batch = jobs[start : start + parallel]
+        running = []
+        for model, mode, index in batch:
+            log = work / f"health-{model}-{mode}-{index}.log"
+            command = [sys.executable, "-m", "cachelife", "recipe", "--json", "--model", model, "--compile", mode]
+            running.append((model, mode, log, subprocess.Popen(
+                command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=environment(path), cwd=ROOT
+            )))  # fmt: skip
+        for model, mode, log, process in running:
+            process.wait()
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("RESULT ")]
+            record = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+            outcomes.setdefault(f"{model} {mode}", []).append(
+                {
+                    "returncode": process.returncode,
+                    "ok": record.get("ok"),
+                    "cudagraph_skips": [call["health"]["cudagraph_skips"] for call in record.get("calls", [])],
+                    "rerecords": [call["health"]["rerecords"] for call in record.get("calls", [])],
+                    "graphs": [call["health"]["graphs"] for call in record.get("calls", [])],
+                }
+            )
+    return {"transformers": version, "processes_per_case": processes, "cases": outcomes}
+
+
+def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict[str, Any]:
+    """FACTS.md's hand-pinned probe (probe2.py t5_gen_marginal, carried in .device/probe), in fresh processes
+    with static-input logging, to catch the intermittent 'skipping cudagraphs due to mutated inputs'."""
+    script = ROOT / ".device" / "probe" / "probe2.py"
+    if not script.exists():
+        return {"skipped": "no .device/probe/probe2.py carried"}
+    version = "5.23.0" if "5.23.0" in found else next(iter(found))
     running = []
     for index in range(processes):
-        log = (work / f"diagnose-{index}.log").open("w")
-        env = environment(path, TORCH_LOGS="cudagraph_static_inputs,cudagraphs,recompiles")
-        command = [sys.executable, "-m", "cachelife", "recipe", "--json", "--model", "t5-small", "--calls", "3"]
-        running.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+        log = work / f"probe-{index}.log"
+        env = environment(found[version], TORCH_LOGS="cudagraph_static_inputs,cudagraphs")
+        command = [sys.executable, str(script), "t5_gen_marginal"]
+        running.append((log, subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)))
     outcomes = []
-    for index, process in enumerate(running):
+    for log, process in running:
         process.wait()
-        text = (work / f"diagnose-{index}.log").read_text(errors="replace")
+        text = log.read_text(errors="replace")
         result = [line for line in text.splitlines() if line.startswith("RESULT ")]
-        record = json.loads(result[-1].removeprefix("RESULT ")) if result else {}
         outcomes.append(
             {
                 "returncode": process.returncode,
-                "ok": record.get("ok"),
-                "health": [call["health"] for call in record.get("calls", [])],
-                "skip_lines": [line[:400] for line in text.splitlines() if "skipping cudagraph" in line][:5],
-                "non_static_lines": [line[:300] for line in text.splitlines() if "Non-static input pos" in line][:40],
+                "result": json.loads(result[-1].removeprefix("RESULT ")) if result else None,
+                "skip_lines": [line[:600] for line in text.splitlines() if "skipping cudagraph" in line][:3],
+                "non_static": sorted(
+                    {
+                        line.split("for source ")[-1][:200]
+                        for line in text.splitlines()
+                        if "Non-static input pos" in line
+                    }
+                ),
             }
         )
     return {"transformers": version, "processes": outcomes}
@@ -151,7 +195,7 @@ def diagnose_skips(found: dict[str, str], work: Path, processes: int) -> dict[st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--stages", default="tests,diagnose")
+    parser.add_argument("--stages", default="tests,health,probe")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
     args = parser.parse_args()
@@ -170,8 +214,10 @@ def main() -> int:
         summary["transformers_versions"] = list(found)
         if "tests" in stages:
             summary["tests"] = run_tests(found, work, args.workers)
-        if "diagnose" in stages:
-            summary["diagnose"] = diagnose_skips(found, work, processes=5)
+        if "health" in stages:
+            summary["health"] = health(found, work, processes=5, parallel=10)
+        if "probe" in stages:
+            summary["probe"] = probe_hand_pinned(found, work, processes=5)
         (out / "gpu-summary.json").write_text(json.dumps(summary, indent=1))
         with tarfile.open(out / "gpu-logs.tar.gz", "w:gz") as archive:
             for path in sorted(work.glob("*.log")) + sorted(work.glob("*.jsonl")) + sorted(work.glob("*.xml")):

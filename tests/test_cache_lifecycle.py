@@ -104,7 +104,7 @@ def test_pin_rolls_back_when_a_later_layer_fails(monkeypatch: pytest.MonkeyPatch
     real = buffers.allocate
     calls = {"n": 0}
 
-    def fail_third(layer: StaticLayer, spec: buffers.PinSpec) -> buffers.Buffers:
+    def fail_third(layer: StaticLayer, spec: buffers.PinSpec, reuse: object = None) -> buffers.Buffers:
         calls["n"] += 1
         if calls["n"] == 3:
             raise torch.OutOfMemoryError("injected on the third layer")

@@ -71,6 +71,9 @@ def test_recipe_with_cachelife_equals_eager_on_three_calls(name: str, compile_mo
     assert record["ok"], record
     assert [call["equal_to_eager"] for call in record["calls"]] == [True, True, True]
     assert "Unallocated" not in record["table_at_first_forward"]
+    # CUDA-graph health: nothing skipped, and the pool keeps addresses, so nothing is ever re-recorded.
+    assert [call["health"]["cudagraph_skips"] for call in record["calls"]] == [0, 0, 0]
+    assert [call["health"]["rerecords"] for call in record["calls"]] == [0, 0, 0]
 
 
 def test_pin_refuses_during_cuda_graph_capture() -> None:
@@ -88,7 +91,7 @@ def test_boundary_checks_never_synchronise_with_the_device() -> None:
     model = built.model
     cache = cachelife.prepare_static_cache(model, batch_size=2, max_cache_len=16, encoder_length=9)
     assert isinstance(cache, EncoderDecoderCache)
-    guard = _DecodingGuard(on_unpinned="pin")
+    guard = _DecodingGuard(on_unpinned="pin", pool=None)
     inputs = built.inputs(2, 9, 1)
     with torch.no_grad():
         encoder_outputs = model.get_encoder()(**inputs)

@@ -23,10 +23,13 @@ from cachelife.integration import (
     enable,
     is_enabled,
     pin_for_model,
+    pool_of,
     prepare_static_cache,
+    release_pool,
 )
 from cachelife.layer_lifecycle import TRANSITIONS, Filled, FillRecord, LayerLifecycle, LayerState, Pinned, Unallocated
 from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
+from cachelife.pool import CachePool
 from cachelife.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, infer_cache_shapes, model_cache_shapes
 
 __version__ = "0.1.0"
@@ -37,6 +40,7 @@ __all__ = [
     "CacheLifecycle",
     "CacheLifecycleError",
     "CacheLifecycleMixin",
+    "CachePool",
     "CacheShapeError",
     "CacheShapes",
     "CompiledRegionError",
@@ -65,7 +69,9 @@ __all__ = [
     "lifecycle",
     "model_cache_shapes",
     "pin_for_model",
+    "pool_of",
     "prepare_static_cache",
+    "release_pool",
 ]
 
 configure_from_environment()

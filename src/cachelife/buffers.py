@@ -6,14 +6,14 @@ their attributes; they hold no lifecycle state. `cachelife.layer_lifecycle` deci
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from attrs import frozen
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from typing_extensions import TypeIs
 
-from cachelife.errors import CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
+from cachelife.errors import CacheShapeError, CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
 
 # Attributes `StaticLayer.lazy_initialization` adds; dropping the storage removes them again so a released
 # layer looks exactly like one transformers has just built.
@@ -112,21 +112,27 @@ def unmarked_tensors(layer: StaticLayer) -> list[str]:
     return [name for name, tensor in static_tensors(layer) if not is_marked_static(tensor)]
 
 
-def allocate(layer: StaticLayer, spec: PinSpec) -> Buffers:
-    """Allocate the layer's buffers at their final shape and mark every one of them static.
+def allocate(layer: StaticLayer, spec: PinSpec, reuse: Mapping[str, torch.Tensor] | None = None) -> Buffers:
+    """Give the layer its buffers at their final shape, every one marked static; return what it holds.
 
-    Uses transformers' own `lazy_initialization` with zero-length key and value tensors (the recipe of
-    `Cache.early_initialization`), so the layer ends up exactly as a lazy first `update` would leave it,
-    then marks any tensor transformers did not. On failure the layer is put back as it was.
+    Without `reuse`, transformers' own `lazy_initialization` allocates them, fed zero-length keys and values
+    (the recipe of `Cache.early_initialization`), so the layer ends up exactly as a lazy first `update`
+    would leave it; any tensor transformers did not mark is marked here. With `reuse` (tensors of a pinned
+    layer of the same shape, from a pool), `lazy_initialization` runs on meta tensors, which allocates
+    nothing but sets every attribute the installed transformers version sets, and the reused tensors are
+    installed and zeroed in place, keeping their addresses. On failure the layer is put back as it was.
     """
+    device = spec.device if reuse is None else torch.device("meta")
     empty_keys = torch.zeros(
-        (spec.batch_size, spec.num_kv_heads, 0, spec.key_head_dim), dtype=spec.dtype, device=spec.device
+        (spec.batch_size, spec.num_kv_heads, 0, spec.key_head_dim), dtype=spec.dtype, device=device
     )
     empty_values = torch.zeros(
-        (spec.batch_size, spec.num_kv_heads, 0, spec.value_head_dim), dtype=spec.dtype, device=spec.device
+        (spec.batch_size, spec.num_kv_heads, 0, spec.value_head_dim), dtype=spec.dtype, device=device
     )
     try:
         layer.lazy_initialization(empty_keys, empty_values)
+        if reuse is not None:
+            _install(layer, spec, reuse)
         for _, tensor in static_tensors(layer):
             if not is_marked_static(tensor):
                 torch._dynamo.mark_static_address(tensor)
@@ -142,6 +148,26 @@ def allocate(layer: StaticLayer, spec: PinSpec) -> Buffers:
         )
         raise UnsupportedCacheError(msg)
     return buffers
+
+
+def _install(layer: StaticLayer, spec: PinSpec, reuse: Mapping[str, torch.Tensor]) -> None:
+    keys, values, length = reuse["keys"], reuse["values"], reuse["cumulative_length"]
+    want_keys = (spec.batch_size, spec.num_kv_heads, layer.max_cache_len, spec.key_head_dim)
+    want_values = (spec.batch_size, spec.num_kv_heads, layer.max_cache_len, spec.value_head_dim)
+    if tuple(keys.shape) != want_keys or tuple(values.shape) != want_values or keys.dtype != spec.dtype:
+        msg = (
+            f"reused buffers do not fit: keys {tuple(keys.shape)} {keys.dtype}, values {tuple(values.shape)}; "
+            f"expected keys {want_keys}, values {want_values}, {spec.dtype}"
+        )
+        raise CacheShapeError(msg)
+    layer.keys, layer.values, layer.cumulative_length = keys, values, length
+    # lazy_initialization recorded the meta device (and, before transformers 5.24, the dtype) of its inputs.
+    layer.__dict__["device"] = keys.device
+    if "dtype" in layer.__dict__:
+        layer.__dict__["dtype"] = keys.dtype
+    keys.zero_()
+    values.zero_()
+    length.zero_()
 
 
 def zero(layer: StaticLayer, recorded: Buffers, who: str) -> None:

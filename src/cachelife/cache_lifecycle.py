@@ -8,7 +8,7 @@ every layer first and undo their own work if a later layer fails.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 import torch
@@ -101,14 +101,37 @@ class CacheLifecycle:
         every layer can be pinned: the request is checked first, and layers pinned by this call are
         released again if a later one fails (out of memory, say).
         """
-        specs = self._specs(batch_size, shapes, dtype, device)
+        self.pin_specs(self.specs_for(batch_size=batch_size, shapes=shapes, dtype=dtype, device=device))
+
+    def specs_for(self, *, batch_size: int, shapes: CacheShapes, dtype: torch.dtype, device: Devices) -> list[PinSpec]:
+        """One checked `PinSpec` per layer, in `layers` order, for a `pin` request."""
+        counts = (len(self._self_attention), len(self._cross_attention))
+        given = (len(shapes.self_attention), len(shapes.cross_attention))
+        if counts != given:
+            msg = (
+                f"the cache has {counts[0]} self-attention and {counts[1]} cross-attention layers, but the "
+                f"shapes describe {given[0]} and {given[1]}; build the cache from the same model config"
+            )
+            raise CacheShapeError(msg)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            msg = f"batch_size must be a positive int, got {batch_size!r}"
+            raise CacheShapeError(msg)
+        devices = _per_layer_devices(device, len(self.layers))
+        layer_shapes: list[LayerShape] = [*shapes.self_attention, *shapes.cross_attention]
+        return [
+            PinSpec(batch_size, shape.num_kv_heads, shape.key_head_dim, shape.value_head_dim, dtype, dev)
+            for shape, dev in zip(layer_shapes, devices, strict=True)
+        ]
+
+    def pin_specs(self, specs: Sequence[PinSpec], reuse: Sequence[Mapping[str, torch.Tensor]] | None = None) -> None:
+        """`pin` with one spec per layer, and optionally the tensors to reuse for each (from a pool)."""
         for layer, spec in zip(self.layers, specs, strict=True):
             _check_matches(layer, spec)
         pinned_here: list[LayerLifecycle] = []
         try:
-            for layer, spec in zip(self.layers, specs, strict=True):
+            for index, (layer, spec) in enumerate(zip(self.layers, specs, strict=True)):
                 if isinstance(layer.state, Unallocated):
-                    layer.pin(spec)
+                    layer.pin(spec, None if reuse is None else reuse[index])
                     pinned_here.append(layer)
         except BaseException:
             for layer in reversed(pinned_here):
@@ -133,25 +156,6 @@ class CacheLifecycle:
         for layer in self.layers:
             if layer.is_pinned:
                 layer.release()
-
-    def _specs(self, batch_size: int, shapes: CacheShapes, dtype: torch.dtype, device: Devices) -> list[PinSpec]:
-        counts = (len(self._self_attention), len(self._cross_attention))
-        given = (len(shapes.self_attention), len(shapes.cross_attention))
-        if counts != given:
-            msg = (
-                f"the cache has {counts[0]} self-attention and {counts[1]} cross-attention layers, but the "
-                f"shapes describe {given[0]} and {given[1]}; build the cache from the same model config"
-            )
-            raise CacheShapeError(msg)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            msg = f"batch_size must be a positive int, got {batch_size!r}"
-            raise CacheShapeError(msg)
-        devices = _per_layer_devices(device, len(self.layers))
-        layer_shapes: list[LayerShape] = [*shapes.self_attention, *shapes.cross_attention]
-        return [
-            PinSpec(batch_size, shape.num_kv_heads, shape.key_head_dim, shape.value_head_dim, dtype, dev)
-            for shape, dev in zip(layer_shapes, devices, strict=True)
-        ]
 
 
 _REGISTRY: weakref.WeakKeyDictionary[Cache, CacheLifecycle] = weakref.WeakKeyDictionary()

@@ -37,7 +37,8 @@ from cachelife.cache_lifecycle import (
     lifecycle,
 )
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
-from cachelife.layer_lifecycle import FillRecord
+from cachelife.layer_lifecycle import FillRecord, Unallocated
+from cachelife.pool import DEFAULT_BUDGET_BYTES, BufferSet, CachePool, pool_key
 from cachelife.shapes import CacheShapes, model_cache_shapes
 
 logger = logging.getLogger(__name__)
@@ -97,32 +98,50 @@ def pin_for_model(
     batch_size: int,
     shapes: CacheShapes | None = None,
     encoder_length: int | None = None,
+    pool: CachePool | None = None,
 ) -> CacheLifecycle:
     """Pin every unpinned layer of `cache` for `model`'s shapes, dtype and device.
 
     Cross-attention layers that are not yet allocated and are not full attention over `encoder_length`
     positions (transformers sizes them with the decoder's sliding windows) are replaced by full-attention
-    layers of that length first.
+    layers of that length first. With a `pool`, a wholly unallocated cache reuses the buffers of an earlier
+    cache of the same shape, and lends its own to a later one once it is garbage-collected.
     """
     if shapes is None:
         shapes = model_cache_shapes(model)
     if encoder_length is not None and is_encoder_decoder_cache(cache):
         _make_cross_full_attention(cache, encoder_length)
     state = lifecycle(cache)
-    state.pin(batch_size=batch_size, shapes=shapes, dtype=model.dtype, device=model.device)
+    specs = state.specs_for(batch_size=batch_size, shapes=shapes, dtype=model.dtype, device=model.device)
+    if pool is None or not all(isinstance(layer.state, Unallocated) for layer in state.layers):
+        state.pin_specs(specs)
+        return state
+    key = pool_key(state, specs)
+    entry = pool.lease(key)
+    try:
+        state.pin_specs(specs, None if entry is None else entry.tensors)
+    except BaseException:
+        if entry is not None:
+            pool.give_back(entry)
+        raise
+    pool.lend(cache, entry if entry is not None else BufferSet.of(key, state))
     return state
 
 
 # -- enabling a model --------------------------------------------------------------------------------------
 
 
-def enable(model: PreTrainedModel, *, on_unpinned: OnUnpinned = "pin") -> PreTrainedModel:
+def enable(
+    model: PreTrainedModel, *, on_unpinned: OnUnpinned = "pin", pool_bytes: int = DEFAULT_BUDGET_BYTES
+) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
-    Idempotent. `on_unpinned` decides what happens when a cache reaches a forward call unpinned (it was
-    replaced after `generate` prepared it, or built by hand): "pin" pins it there and logs a WARNING
-    (the default), "raise" raises `UnpinnedCacheError`. Fails at once, before anything is patched, if the
-    model is no transformers generation model or its cache shapes cannot be inferred.
+    Idempotent (a second call updates the settings). `on_unpinned` decides what happens when a cache
+    reaches a forward call unpinned (it was replaced after `generate` prepared it, or built by hand): "pin"
+    pins it there and logs a WARNING (the default), "raise" raises `UnpinnedCacheError`. `pool_bytes` is the
+    budget of idle pinned buffers kept between `generate` calls so that the next call of the same shape
+    decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. Fails at once, before
+    anything is patched, if the model is no transformers generation model or its shapes cannot be inferred.
     """
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
@@ -130,14 +149,40 @@ def enable(model: PreTrainedModel, *, on_unpinned: OnUnpinned = "pin") -> PreTra
     existing = _guard_of(model)
     if existing is not None:
         existing.on_unpinned = on_unpinned
+        existing.pool = _make_pool(pool_bytes, existing.pool)
         return model
     if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
         msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
         raise UnsupportedCacheError(msg)
     model_cache_shapes(model)  # fail now, not in the middle of generate
-    guard = _DecodingGuard(on_unpinned=on_unpinned)
+    guard = _DecodingGuard(on_unpinned=on_unpinned, pool=_make_pool(pool_bytes, None))
     guard.install(model)
     return model
+
+
+def pool_of(model: object) -> CachePool | None:
+    """The buffer pool of an enabled model (None if cachelife is off for it or its pool is off)."""
+    guard = _guard_of(model)
+    return None if guard is None else guard.pool
+
+
+def release_pool(model: object) -> None:
+    """Drop the idle pinned buffers an enabled model keeps between `generate` calls."""
+    pool = pool_of(model)
+    if pool is not None:
+        pool.clear()
+
+
+def _make_pool(budget: int, current: CachePool | None) -> CachePool | None:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        msg = f"pool_bytes must be an int >= 0 (0 turns the pool off), got {budget!r}"
+        raise ValueError(msg)
+    if budget == 0:
+        return None
+    if current is not None:
+        current.budget_bytes = budget
+        return current
+    return CachePool(budget)
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
@@ -177,6 +222,7 @@ class _DecodingGuard:
     """What `enable` installs on one model: two forward hooks and two wrapped methods."""
 
     on_unpinned: OnUnpinned
+    pool: CachePool | None
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
     # Attribute name -> the instance attribute that was there before (absent if the class provided it).
     _saved: dict[str, Any] = field(factory=dict, alias="saved")
@@ -204,6 +250,8 @@ class _DecodingGuard:
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
     def uninstall(self, model: PreTrainedModel) -> None:
+        if self.pool is not None:
+            self.pool.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -226,7 +274,8 @@ class _DecodingGuard:
             return
         if isinstance(generation_config, GenerationConfig):
             batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        pin_for_model(cache, model, batch_size=batch_size, encoder_length=_encoder_length(model_kwargs))
+        encoder_length = _encoder_length(model_kwargs)
+        pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool)
 
     # 2. the decoding boundary
     def before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -247,7 +296,7 @@ class _DecodingGuard:
             state.require_pinned()
             return
         late = ", ".join(layer.describe() for layer in state.unpinned())
-        pin_for_model(cache, module, batch_size=batch_size, encoder_length=_encoder_length(kwargs))
+        pin_for_model(cache, module, batch_size=batch_size, encoder_length=_encoder_length(kwargs), pool=self.pool)
         logger.warning(
             "cache layers reached %s's forward unpinned and were pinned there: %s. Pin caches ahead "
             "(cachelife.prepare_static_cache, or leave cache preparation to generate); pass "

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Final, Literal, TypeAlias
 
+import torch
 from attrs import define, field, frozen
 from transformers.cache_utils import EncoderDecoderCache, StaticLayer
 
@@ -174,13 +175,14 @@ class LayerLifecycle:
 
     # -- transitions -------------------------------------------------------------------------------------
 
-    def pin(self, spec: PinSpec) -> Pinned:
-        """Allocate the layer's buffers at final shape, dtype and device and mark them static."""
+    def pin(self, spec: PinSpec, reuse: Mapping[str, torch.Tensor] | None = None) -> Pinned:
+        """Give the layer static buffers at final shape, dtype and device: new ones, or `reuse` (tensors a
+        pinned layer of the same shape held, from a pool), zeroed in place at their addresses."""
         self._check("pin")
         layer = self.layer
         buffers.refuse_in_compiled_region("pin", self.describe())
-        new = Pinned(buffers.allocate(layer, spec))
-        self._enter("pin", new)
+        new = Pinned(buffers.allocate(layer, spec, reuse))
+        self._enter("pin", new, origin=" source=new" if reuse is None else " source=pool")
         return new
 
     def fill(self, record: FillRecord) -> Filled:
@@ -230,11 +232,11 @@ class LayerLifecycle:
         msg = f"cannot {event} {self.describe()}: it is {type(self._state).__name__}; {fix}"
         return IllegalTransitionError(msg)
 
-    def _enter(self, event: Event, new: LayerState) -> None:
+    def _enter(self, event: Event, new: LayerState, origin: str = "") -> None:
         old = self._state
         self._state = new
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s", describe_transition(self, event, old, new))
+            logger.debug("%s%s", describe_transition(self, event, old, new), origin)
 
     def _forget_cross_content(self) -> None:
         # A cross-attention layer's content is announced to the model by `EncoderDecoderCache.is_updated`;

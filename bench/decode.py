@@ -1,0 +1,209 @@
+"""Decoding benchmark: transformers' paths and cachelife's, side by side, in one process per device.
+
+    python -m bench.decode [--device cuda|cpu] [--models t5-small,bart-small,...] [--out bench/results]
+
+For each model (built by cachelife.zoo with seeded random weights; batch 4, encoder/prompt length 48), on
+the same inputs, it measures:
+
+- `vanilla_compiled_forward`: transformers as released with `model.forward = torch.compile(...,
+  mode="reduce-overhead" on CUDA, fullgraph=True)` and `cache_implementation="static"`. It runs in a
+  subprocess (`python -m cachelife recipe --without-cachelife`), which on a GPU may die of a signal.
+- `eager_dynamic`: eager `generate` with the default dynamic cache.
+- `transformers_auto_compile`: transformers' decode-only auto-compile (`compile_config`, static cache).
+- `cachelife_compiled_forward`: cachelife enabled, `model.forward` compiled as above.
+- `cachelife_auto_compile`: cachelife enabled, transformers' auto-compile.
+
+Per path: first-call latency (includes compilation), second-call latency, steady-state marginal ms per
+decoding step ((time for 192 new tokens - time for 64) / 128, best of 3), whether every call's tokens equal
+eager, CUDA-graph skips, unexpected re-records over 5 same-shape calls after the first, dynamo graphs
+compiled after the first call (recompiles), and peak device memory. Results go to
+`<out>/decode-<device>-<date>.json` with date, device, torch and transformers versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import CompileConfig
+
+import cachelife
+from cachelife import zoo
+from cachelife.recipe import CudaGraphHealth, resolve_device
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, LENGTH, SHORT, LONG, REPEATS, SAME_SHAPE_CALLS = 4, 48, 64, 192, 3, 5
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+    synchronize(device)
+    started = time.perf_counter()
+    tokens = call()
+    synchronize(device)
+    return time.perf_counter() - started, tokens
+
+
+def settings(tokens: int) -> dict[str, Any]:
+    return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
+
+
+def measure_path(
+    name: str, device: torch.device, extra: dict[str, Any], prepare: Callable[[zoo.ZooModel], None] | None
+) -> dict[str, Any]:
+    """One path on a fresh copy of the model (same seed, same weights, same inputs)."""
+    built = zoo.build(name, device=device)
+    model = built.model
+    inputs = built.inputs(BATCH, LENGTH, 1)
+    references = {
+        tokens: zoo.generate_tokens(model, inputs, **settings(tokens), disable_compile=True) for tokens in (SHORT, LONG)
+    }
+    if prepare is not None:
+        prepare(built)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = CudaGraphHealth.now()
+
+    def generate(tokens: int) -> tuple[float, bool]:
+        seconds, out = timed(device, lambda: zoo.generate_tokens(model, inputs, **settings(tokens), **extra))
+        return seconds, out.shape == references[tokens].shape and bool(torch.equal(out, references[tokens]))
+
+    # The long call first: transformers keeps the largest static cache length seen, so every later call
+    # (long or short) reuses the same cache shape and the same compiled graphs.
+    first_s, first_equal = generate(LONG)
+    second_s, second_equal = generate(LONG)
+    after_first = CudaGraphHealth.now()
+    same_shape = [generate(LONG) for _ in range(SAME_SHAPE_CALLS)]
+    after_same_shape = CudaGraphHealth.now()
+    short_times, long_times, equal = [], [], [first_equal, second_equal, *(e for _, e in same_shape)]
+    for _ in range(REPEATS):
+        seconds, ok = generate(SHORT)
+        short_times.append(seconds)
+        equal.append(ok)
+        seconds, ok = generate(LONG)
+        long_times.append(seconds)
+        equal.append(ok)
+    end = CudaGraphHealth.now()
+    return {
+        "first_call_s": round(first_s, 4),
+        "second_call_s": round(second_s, 4),
+        "call_s": {str(SHORT): [round(t, 4) for t in short_times], str(LONG): [round(t, 4) for t in long_times]},
+        "marginal_ms_per_step": round(1000 * (min(long_times) - min(short_times)) / (LONG - SHORT), 4),
+        "tokens_equal_eager": all(equal),
+        "calls": len(equal),
+        "cudagraph_skips": end.cudagraph_skips - start.cudagraph_skips,
+        "rerecords_after_first_call": after_same_shape.rerecords - after_first.rerecords,
+        "rerecords_total": end.rerecords - start.rerecords,
+        "graphs_compiled": end.graphs - start.graphs,
+        "recompiles_after_first_call": end.graphs - after_first.graphs,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+
+
+def compile_forward(device: torch.device, with_cachelife: bool) -> Callable[[zoo.ZooModel], None]:
+    def prepare(built: zoo.ZooModel) -> None:
+        if with_cachelife:
+            cachelife.enable(built.model)
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        built.model.forward = torch.compile(built.model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+
+    return prepare
+
+
+def auto_compile(device: torch.device) -> dict[str, Any]:
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def vanilla(name: str, device: torch.device) -> dict[str, Any]:
+    """transformers' compiled-forward recipe as released, in a subprocess (it may die of a signal)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [
+        sys.executable, "-m", "cachelife", "recipe", "--json", "--without-cachelife", "--model", name,
+        "--device", str(device), "--batch-size", str(BATCH), "--input-length", str(LENGTH),
+        "--new-tokens", str(SHORT), "--calls", "3",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    report = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+    calls = report.get("calls", [])
+    failure = next((call["error"].splitlines()[0] for call in calls if call["error"]), None)
+    if done.returncode < 0:
+        failure = f"process killed by signal {-done.returncode}"
+    return {
+        "returncode": done.returncode,
+        "failure": failure,
+        "tokens_equal_eager": [call["equal_to_eager"] for call in calls],
+        "call_s": [call["seconds"] for call in calls],
+        "cudagraph_skips": calls[-1]["health"]["cudagraph_skips"] if calls else None,
+    }
+
+
+def run(models: list[str], device: torch.device) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in models:
+        print(f"== {name}", flush=True)
+        paths: dict[str, Any] = {"vanilla_compiled_forward": vanilla(name, device)}
+        print(f"   vanilla: {paths['vanilla_compiled_forward']['failure']}", flush=True)
+        plans: list[tuple[str, dict[str, Any], Callable[[zoo.ZooModel], None] | None]] = [
+            ("eager_dynamic", {}, None),
+            ("transformers_auto_compile", auto_compile(device), None),
+            ("cachelife_compiled_forward", {"cache_implementation": "static"}, compile_forward(device, True)),
+            ("cachelife_auto_compile", auto_compile(device), lambda built: cachelife.enable(built.model)),
+        ]
+        for path, extra, prepare in plans:
+            paths[path] = measure_path(name, device, extra, prepare)
+            summary = paths[path]
+            print(
+                f"   {path}: marginal {summary['marginal_ms_per_step']} ms/step, first {summary['first_call_s']} s, "
+                f"equal {summary['tokens_equal_eager']}, skips {summary['cudagraph_skips']}, "
+                f"rerecords {summary['rerecords_after_first_call']}",
+                flush=True,
+            )
+        results[name] = paths
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--models", default="t5-small,bart-small,whisper-small,llama-small")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    date = datetime.datetime.now(datetime.UTC)
+    record = {
+        "benchmark": "decode",
+        "date": date.isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cachelife": cachelife.__version__,
+        "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "dtype": "float32"},
+        "models": run(args.models.split(","), device),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode-{device.type}-{date:%Y%m%d}-tf{transformers.__version__}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The pinned-buffer pool: same addresses across generate calls, kept caches never overwritten, budget."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from transformers.cache_utils import EncoderDecoderCache, StaticCache
+
+import cachelife
+from cachelife import buffers, zoo
+from cachelife.buffers import PinSpec
+from cachelife.integration import find_cache
+from cachelife.layer_lifecycle import Pinned
+from cachelife.pool import CachePool, pool_key
+
+SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 5, "min_new_tokens": 5}
+
+
+class Addresses:
+    """Records the data pointers of every layer each time a cache reaches the model's forward call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seen: list[tuple[tuple[tuple[str, int], ...], ...]] = []
+        self.cache_ids: list[int] = []
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = find_cache(kwargs)
+        if cache is None or (self.cache_ids and self.cache_ids[-1] == id(cache)):
+            return
+        self.cache_ids.append(id(cache))
+        state = cachelife.lifecycle(cache)
+        pointers = []
+        for layer in state.layers:
+            assert isinstance(layer.state, Pinned)  # every call starts from empty, pinned buffers
+            assert not any(bool(t.any()) for _, t in buffers.static_tensors(layer.layer))
+            pointers.append(layer.state.buffers.data_ptrs)
+        self.seen.append(tuple(pointers))
+
+
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_generate_calls_of_one_shape_reuse_the_same_addresses(name: str) -> None:
+    built = zoo.build(name)
+    inputs = built.inputs(2, 9, 1)
+    expected = zoo.generate_tokens(built.model, inputs, **SETTINGS, disable_compile=True)
+    cachelife.enable(built.model)
+    addresses = Addresses(built.model)
+    for _ in range(4):
+        tokens = zoo.generate_tokens(built.model, inputs, **SETTINGS, cache_implementation="static")
+        assert torch.equal(tokens, expected)
+    assert len(set(addresses.seen)) == 1
+    pool = cachelife.pool_of(built.model)
+    assert pool is not None
+    assert (pool.hits, pool.misses) == (3, 1)
+
+
+def test_a_cache_the_caller_keeps_is_never_overwritten() -> None:
+    built = zoo.build("t5")
+    model = built.model
+    cachelife.enable(model)
+    addresses = Addresses(model)
+    first = model.generate(
+        **built.inputs(2, 9, 1), **SETTINGS, cache_implementation="static", return_dict_in_generate=True
+    )
+    assert not isinstance(first, torch.Tensor)
+    kept = first.get("cache", first.get("past_key_values"))
+    assert isinstance(kept, EncoderDecoderCache)
+    assert isinstance(kept.self_attention_cache, StaticCache)
+    snapshot = [t.clone() for layer in kept.self_attention_cache.layers for _, t in buffers.static_tensors(layer)]
+    zoo.generate_tokens(model, built.inputs(2, 9, 2), **SETTINGS, cache_implementation="static")
+    after = [t for layer in kept.self_attention_cache.layers for _, t in buffers.static_tensors(layer)]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True))
+    assert addresses.seen[0] != addresses.seen[1]
+    del first, kept, after
+    gc.collect()
+    zoo.generate_tokens(model, built.inputs(2, 9, 3), **SETTINGS, cache_implementation="static")
+    assert addresses.seen[2] in addresses.seen[:2]  # once dropped, its buffers serve again
+
+
+def test_budget_keeps_at_most_that_many_idle_bytes_least_recently_used_first() -> None:
+    built = zoo.build("llama")
+    model = built.model
+    cachelife.enable(model, pool_bytes=1)  # smaller than any cache: nothing is kept
+    for _ in range(2):
+        zoo.generate_tokens(model, built.inputs(2, 9, 1), **SETTINGS, cache_implementation="static")
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert (pool.hits, pool.misses, pool.idle_sets) == (0, 2, 0)
+
+    cachelife.enable(model, pool_bytes=10**9)
+    for batch in (1, 2, 1, 2):
+        zoo.generate_tokens(model, built.inputs(batch, 9, 1), **SETTINGS, cache_implementation="static")
+    assert pool.idle_sets == 2
+    sizes = pool.idle_bytes
+    cachelife.enable(model, pool_bytes=sizes - 1)  # only the budget for one set: the older is evicted next
+    zoo.generate_tokens(model, built.inputs(1, 9, 1), **SETTINGS, cache_implementation="static")
+    assert pool.idle_sets == 1
+    cachelife.release_pool(model)
+    assert (pool.idle_sets, pool.idle_bytes) == (0, 0)
+
+
+def test_pool_off() -> None:
+    built = zoo.build("llama")
+    cachelife.enable(built.model, pool_bytes=0)
+    assert cachelife.pool_of(built.model) is None
+    with pytest.raises(ValueError, match="pool_bytes must be an int >= 0"):
+        cachelife.enable(built.model, pool_bytes=-1)
+
+
+def test_reused_buffers_leave_the_layer_as_a_fresh_pin_would() -> None:
+    config = zoo.llama_tiny()
+    spec = PinSpec(2, 2, 16, 16, torch.float32, torch.device("cpu"))
+    fresh = StaticCache(config=config, max_cache_len=6)
+    fresh_state = cachelife.lifecycle(fresh)
+    fresh_state.pin_specs([spec, spec])
+    fresh.layers[0].update(torch.ones(2, 2, 3, 16), torch.ones(2, 2, 3, 16))
+    reused = StaticCache(config=config, max_cache_len=6)
+    state = cachelife.lifecycle(reused)
+    tensors = [dict(buffers.static_tensors(layer)) for layer in fresh.layers]
+    state.pin_specs([spec, spec], tensors)
+    for a, b in zip(fresh.layers, reused.layers, strict=True):
+        assert set(vars(a)) == set(vars(b))
+        for name, value in vars(a).items():
+            other = vars(b)[name]
+            if isinstance(value, torch.Tensor):
+                assert value is other  # the very same tensors, now empty
+                assert not bool(other.any())
+            else:
+                assert value == other, name
+
+
+def test_pool_keys_distinguish_every_buffer_property() -> None:
+    config = zoo.llama_tiny()
+    cache = StaticCache(config=config, max_cache_len=6)
+    state = cachelife.lifecycle(cache)
+    base = PinSpec(2, 2, 16, 16, torch.float32, torch.device("cpu"))
+    variants = [
+        base,
+        PinSpec(3, 2, 16, 16, torch.float32, torch.device("cpu")),
+        PinSpec(2, 1, 16, 16, torch.float32, torch.device("cpu")),
+        PinSpec(2, 2, 8, 16, torch.float32, torch.device("cpu")),
+        PinSpec(2, 2, 16, 8, torch.float32, torch.device("cpu")),
+        PinSpec(2, 2, 16, 16, torch.bfloat16, torch.device("cpu")),
+    ]
+    keys = {pool_key(state, [spec, spec]) for spec in variants}
+    assert len(keys) == len(variants)
+    assert CachePool().lease(pool_key(state, [base, base])) is None
