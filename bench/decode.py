@@ -65,7 +65,8 @@ def settings(tokens: int) -> dict[str, Any]:
 def measure_path(
     name: str, device: torch.device, extra: dict[str, Any], prepare: Callable[[zoo.ZooModel], None] | None
 ) -> dict[str, Any]:
-    """One path on a fresh copy of the model (same seed, same weights, same inputs)."""
+    """One path on a fresh copy of the model (same seed, same weights, same inputs), compiled afresh."""
+    torch._dynamo.reset()  # each path pays its own compilation; no graphs or CUDA-graph trees carried over
     built = zoo.build(name, device=device)
     model = built.model
     inputs = built.inputs(BATCH, LENGTH, 1)
@@ -130,35 +131,43 @@ def auto_compile(device: torch.device) -> dict[str, Any]:
     return {"cache_implementation": "static", "compile_config": config}
 
 
-def vanilla(name: str, device: torch.device) -> dict[str, Any]:
-    """transformers' compiled-forward recipe as released, in a subprocess (it may die of a signal)."""
+def vanilla(names: list[str], device: torch.device) -> dict[str, dict[str, Any]]:
+    """transformers' compiled-forward recipe as released, one subprocess per model (it may die of a
+    signal), all at once before any timing starts."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [
-        sys.executable, "-m", "cachelife", "recipe", "--json", "--without-cachelife", "--model", name,
-        "--device", str(device), "--batch-size", str(BATCH), "--input-length", str(LENGTH),
-        "--new-tokens", str(SHORT), "--calls", "3",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    report = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
-    calls = report.get("calls", [])
-    failure = next((call["error"].splitlines()[0] for call in calls if call["error"]), None)
-    if done.returncode < 0:
-        failure = f"process killed by signal {-done.returncode}"
-    return {
-        "returncode": done.returncode,
-        "failure": failure,
-        "tokens_equal_eager": [call["equal_to_eager"] for call in calls],
-        "call_s": [call["seconds"] for call in calls],
-        "cudagraph_skips": calls[-1]["health"]["cudagraph_skips"] if calls else None,
-    }
+    running = {}
+    for name in names:
+        command = [
+            sys.executable, "-m", "cachelife", "recipe", "--json", "--without-cachelife", "--model", name,
+            "--device", str(device), "--batch-size", str(BATCH), "--input-length", str(LENGTH),
+            "--new-tokens", str(SHORT), "--calls", "3",
+        ]  # fmt: skip
+        running[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    results = {}
+    for name, process in running.items():
+        stdout, _ = process.communicate(timeout=900)
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        report = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+        calls = report.get("calls", [])
+        failure = next((call["error"].splitlines()[0] for call in calls if call["error"]), None)
+        if process.returncode < 0:
+            failure = f"process killed by signal {-process.returncode}"
+        results[name] = {
+            "returncode": process.returncode,
+            "failure": failure,
+            "tokens_equal_eager": [call["equal_to_eager"] for call in calls],
+            "call_s": [call["seconds"] for call in calls],
+            "cudagraph_skips": calls[-1]["health"]["cudagraph_skips"] if calls else None,
+        }
+    return results
 
 
 def run(models: list[str], device: torch.device) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    vanilla_results = vanilla(models, device)
     for name in models:
         print(f"== {name}", flush=True)
-        paths: dict[str, Any] = {"vanilla_compiled_forward": vanilla(name, device)}
+        paths: dict[str, Any] = {"vanilla_compiled_forward": vanilla_results[name]}
         print(f"   vanilla: {paths['vanilla_compiled_forward']['failure']}", flush=True)
         plans: list[tuple[str, dict[str, Any], Callable[[zoo.ZooModel], None] | None]] = [
             ("eager_dynamic", {}, None),

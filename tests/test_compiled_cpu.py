@@ -61,8 +61,11 @@ def test_compiled_forward_generation_equals_eager(name: str) -> None:
     assert len(states.seen) == 2
     for _, layer_states in states.seen:
         assert layer_states == ["Pinned"] * len(layer_states)
-    # The second call reuses the graphs of the first: no recompilation.
+    # The second call reuses the graphs of the first (no recompilation) and the first call's buffers.
     assert counters["stats"]["unique_graphs"] <= 2
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert (pool.hits, pool.misses) == (1, 1)
 
 
 def test_transformers_auto_compile_generation_equals_eager() -> None:

@@ -148,3 +148,27 @@ def test_pool_keys_distinguish_every_buffer_property() -> None:
     keys = {pool_key(state, [spec, spec]) for spec in variants}
     assert len(keys) == len(variants)
     assert CachePool().lease(pool_key(state, [base, base])) is None
+
+
+def test_a_cache_kept_only_by_a_reference_cycle_is_collected_and_its_buffers_reused() -> None:
+    # torch.compile traces leave the traced cache in reference cycles until the collector runs.
+    built = zoo.build("llama")
+    model = built.model
+    cachelife.enable(model)
+    addresses = Addresses(model)
+    gc.disable()
+    try:
+        out = model.generate(
+            **built.inputs(2, 9, 1), **SETTINGS, cache_implementation="static", return_dict_in_generate=True
+        )
+        assert not isinstance(out, torch.Tensor)
+        cycle: list[object] = [out.get("cache", out.get("past_key_values"))]
+        cycle.append(cycle)
+        del out, cycle
+        zoo.generate_tokens(model, built.inputs(2, 9, 2), **SETTINGS, cache_implementation="static")
+    finally:
+        gc.enable()
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert (pool.hits, pool.misses) == (1, 1)
+    assert addresses.seen[0] == addresses.seen[1]

@@ -13,6 +13,7 @@ used evicted first; `clear()` drops them all.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import weakref
@@ -75,6 +76,8 @@ class CachePool:
     hits: int = 0
     misses: int = 0
     _idle: OrderedDict[int, BufferSet] = field(factory=OrderedDict, alias="idle")
+    # Buffer sets lent to caches that are still alive, by shape.
+    _lent: dict[PoolKey, int] = field(factory=dict, alias="lent")
     _lock: threading.Lock = field(factory=threading.Lock, alias="lock")
 
     @property
@@ -89,17 +92,36 @@ class CachePool:
             return len(self._idle)
 
     def lease(self, key: PoolKey) -> BufferSet | None:
-        """Take the most recently returned idle set of this shape, if any."""
+        """Take the most recently returned idle set of this shape, if any.
+
+        When none is idle but a set of this shape is still lent, its cache may be garbage kept only by
+        reference cycles: a `torch.compile` trace keeps the objects it traced (the cache among them) in
+        cycles until the collector runs, so right after a compilation the previous call's cache is not
+        yet returned. One `gc.collect()` then gives it back, instead of re-recording every CUDA graph on
+        new addresses. It runs only on such a miss, never in steady state.
+        """
+        entry = self._take(key)
+        if entry is None and self._lent.get(key, 0) > 0:
+            gc.collect()
+            entry = self._take(key)
+        with self._lock:
+            if entry is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+        return entry
+
+    def _take(self, key: PoolKey) -> BufferSet | None:
         with self._lock:
             for identity in reversed(self._idle):
                 if self._idle[identity].key == key:
-                    self.hits += 1
                     return self._idle.pop(identity)
-            self.misses += 1
             return None
 
     def lend(self, owner: object, entry: BufferSet) -> None:
         """Mark `entry` as used by `owner` (a cache); it returns to the pool when `owner` is collected."""
+        with self._lock:
+            self._lent[entry.key] = self._lent.get(entry.key, 0) + 1
         weakref.finalize(owner, self.give_back, entry)
 
     def clear(self) -> None:
@@ -110,6 +132,7 @@ class CachePool:
     def give_back(self, entry: BufferSet) -> None:
         """Return a set to the idle list (it must no longer be used), evicting beyond the budget."""
         with self._lock:
+            self._lent[entry.key] = max(0, self._lent.get(entry.key, 0) - 1)
             if self.budget_bytes <= 0 or entry.nbytes > self.budget_bytes:
                 return
             self._idle[id(entry)] = entry
