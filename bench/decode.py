@@ -162,7 +162,8 @@ def vanilla(names: list[str], device: torch.device) -> dict[str, dict[str, Any]]
     return results
 
 
-def run(models: list[str], device: torch.device) -> dict[str, Any]:
+def run(models: list[str], device: torch.device, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every path for every model; `save` gets the results so far after each model."""
     results: dict[str, Any] = {}
     vanilla_results = vanilla(models, device)
     for name in models:
@@ -185,6 +186,7 @@ def run(models: list[str], device: torch.device) -> dict[str, Any]:
                 flush=True,
             )
         results[name] = paths
+        save(results)
     return results
 
 
@@ -204,12 +206,17 @@ def main() -> int:
         "transformers": transformers.__version__,
         "cachelife": cachelife.__version__,
         "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "dtype": "float32"},
-        "models": run(args.models.split(","), device),
+        "models": {},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode-{device.type}-{date:%Y%m%d}-tf{transformers.__version__}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+
+    def save(models: dict[str, Any]) -> None:
+        record["models"] = models
+        path.write_text(json.dumps(record, indent=1) + "\n")
+
+    run(args.models.split(","), device, save)
     print(f"wrote {path}")
     return 0
 

@@ -89,11 +89,12 @@ def whisper_tiny() -> WhisperConfig:
 
 
 def whisper_small() -> WhisperConfig:
-    """The Whisper of FACTS.md section 1: d_model 256, 2+2 layers, 4 heads, 80 mel bins, 64 positions."""
+    """The Whisper of FACTS.md section 1 (d_model 256, 2+2 layers, 4 heads, 80 mel bins, 64 positions), with
+    Whisper's real 448 decoder positions so that 192 new tokens fit."""
     return WhisperConfig(
         vocab_size=1000, num_mel_bins=80, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, d_model=256, encoder_ffn_dim=512, decoder_ffn_dim=512,
-        max_source_positions=64, max_target_positions=128, decoder_start_token_id=1, pad_token_id=0,
+        max_source_positions=64, max_target_positions=448, decoder_start_token_id=1, pad_token_id=0,
         eos_token_id=2, begin_suppress_tokens=None, suppress_tokens=None,
     )  # fmt: skip
 
