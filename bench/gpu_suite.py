@@ -123,15 +123,17 @@ def recipe_summaries(path: Path) -> list[dict[str, Any]]:
     return summaries
 
 
-def health(found: dict[str, str], work: Path, processes: int, parallel: int) -> dict[str, Any]:
+HEALTH_CASES = [
+    f"{model}:{mode}"
+    for model in ("t5-small", "bart-small", "whisper-small", "llama-small")
+    for mode in ("forward", "auto")
+]
+
+
+def health(found: dict[str, str], work: Path, processes: int, parallel: int, cases: list[str]) -> dict[str, Any]:
     """The cachelife recipe in `processes` fresh processes per model and compile mode: skips, re-records."""
-    version, path = next(iter(found.items()))
-    jobs = [
-        (model, mode, index)
-        for model in ("t5-small", "bart-small", "whisper-small", "llama-small")
-        for mode in ("forward", "auto")
-        for index in range(processes)
-    ]
+    version, path = list(found.items())[-1]  # the newest carried transformers
+    jobs = [(*case.split(":"), index) for case in cases for index in range(processes)]
     outcomes: dict[str, list[dict[str, Any]]] = {}
     for start in range(0, len(jobs), parallel):
         batch = jobs[start : start + parallel]
@@ -198,6 +200,7 @@ def main() -> int:
     parser.add_argument("--stages", default="tests,health,probe")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
+    parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +218,7 @@ def main() -> int:
         if "tests" in stages:
             summary["tests"] = run_tests(found, work, args.workers)
         if "health" in stages:
-            summary["health"] = health(found, work, processes=5, parallel=10)
+            summary["health"] = health(found, work, processes=5, parallel=10, cases=args.health_cases.split(","))
         if "probe" in stages:
             summary["probe"] = probe_hand_pinned(found, work, processes=5)
         (out / "gpu-summary.json").write_text(json.dumps(summary, indent=1))
