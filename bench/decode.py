@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -75,8 +76,12 @@ def measure_path(
     }
     if prepare is not None:
         prepare(built)
+    baseline = 0
     if device.type == "cuda":
+        gc.collect()  # earlier paths' models and traced caches, so their memory does not count here
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
     start = CudaGraphHealth.now()
 
     def generate(tokens: int) -> tuple[float, bool]:
@@ -112,6 +117,10 @@ def measure_path(
         "graphs_compiled": end.graphs - start.graphs,
         "recompiles_after_first_call": end.graphs - after_first.graphs,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        # Peak above what was allocated when the path started (model weights and reference tokens).
+        "peak_memory_above_start_bytes": (
+            torch.cuda.max_memory_allocated(device) - baseline if device.type == "cuda" else None
+        ),
     }
 
 

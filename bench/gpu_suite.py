@@ -62,7 +62,7 @@ def run_tests(found: dict[str, str], work: Path, workers: int) -> dict[str, Any]
         log = (work / f"pytest-{version}.log").open("w")
         command = [
             sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:benchmark",
-            "-n", str(workers),
+            "-n", str(workers), "--dist", "loadgroup",
             "-rA", f"--junitxml={work / f'junit-{version}.xml'}", str(ROOT / "tests" / "test_gpu.py"),
         ]  # fmt: skip
         env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}.jsonl"))

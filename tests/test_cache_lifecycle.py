@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCa
 
 import cachelife
 from cachelife import buffers, zoo
-from cachelife.cache_lifecycle import CacheLifecycle
+from cachelife.cache_lifecycle import CacheLifecycle, static_parts
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
 from cachelife.shapes import CacheShapes, LayerShape
@@ -68,7 +68,9 @@ def test_pin_all_with_separate_self_and_cross_shapes() -> None:
         ("cross", (3, 4, 7, 8), (3, 4, 7, 12)),
         ("cross", (3, 4, 7, 8), (3, 4, 7, 12)),
     ]
-    for part in (cache.self_attention_cache, cache.cross_attention_cache):
+    _, own, cross = static_parts(cache)
+    for part in (own, cross):
+        assert part is not None
         for layer in part.layers:
             assert all(buffers.is_marked_static(t) for _, t in buffers.static_tensors(layer))
 
@@ -114,8 +116,9 @@ def test_pin_rolls_back_when_a_later_layer_fails(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(torch.OutOfMemoryError):
         pin(state)
     assert all(isinstance(layer.state, Unallocated) for layer in state.layers)
-    assert not any(layer.is_initialized for layer in cache.self_attention_cache.layers)
-    assert not any(layer.is_initialized for layer in cache.cross_attention_cache.layers)
+    _, own, cross = static_parts(cache)
+    assert cross is not None
+    assert not any(layer.is_initialized for layer in [*own.layers, *cross.layers])
 
 
 def test_wrong_layer_counts_and_devices_change_nothing() -> None:
@@ -142,7 +145,7 @@ def test_reset_and_release_whole_cache() -> None:
     assert [layer.state.buffers.data_ptrs for layer in state.layers] == pointers  # type: ignore[union-attr]
     state.release()
     assert all(isinstance(layer.state, Unallocated) for layer in state.layers)
-    assert not cache.self_attention_cache.layers[0].is_initialized
+    assert not static_parts(cache)[1].layers[0].is_initialized
 
 
 def test_replaced_sub_cache_gets_fresh_lifecycles() -> None:

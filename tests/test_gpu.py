@@ -63,15 +63,42 @@ def test_vanilla_recipe_fails_without_cachelife(name: str) -> None:
     assert crashed or failed_call, f"transformers' recipe unexpectedly succeeded: {record}"
 
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("compile_mode", ["forward", "auto"])
-def test_recipe_with_cachelife_equals_eager_on_three_calls(name: str, compile_mode: str) -> None:
-    record = run_recipe("--model", name, "--compile", compile_mode, "--calls", "3")
+@pytest.fixture(scope="module")
+def recipes() -> dict[tuple[str, str], dict[str, Any]]:
+    """One cachelife recipe run per model and compile mode, shared by the correctness and health tests."""
+    return {}
+
+
+def cachelife_recipe(recipes: dict[tuple[str, str], dict[str, Any]], name: str, mode: str) -> dict[str, Any]:
+    if (name, mode) not in recipes:
+        recipes[name, mode] = run_recipe("--model", name, "--compile", mode, "--calls", "3")
+    return recipes[name, mode]
+
+
+RECIPES = [
+    pytest.param(name, mode, marks=pytest.mark.xdist_group(f"{name}-{mode}"))
+    for mode in ("forward", "auto")
+    for name in ALL
+]
+
+
+@pytest.mark.parametrize(("name", "compile_mode"), RECIPES)
+def test_recipe_with_cachelife_equals_eager_on_three_calls(
+    recipes: dict[tuple[str, str], dict[str, Any]], name: str, compile_mode: str
+) -> None:
+    record = cachelife_recipe(recipes, name, compile_mode)
     assert record["returncode"] == 0, record["stderr_tail"]
     assert record["ok"], record
     assert [call["equal_to_eager"] for call in record["calls"]] == [True, True, True]
     assert "Unallocated" not in record["table_at_first_forward"]
-    # CUDA-graph health: nothing skipped, and the pool keeps addresses, so nothing is ever re-recorded.
+
+
+@pytest.mark.parametrize(("name", "compile_mode"), RECIPES)
+def test_recipe_with_cachelife_is_healthy(
+    recipes: dict[tuple[str, str], dict[str, Any]], name: str, compile_mode: str
+) -> None:
+    """CUDA-graph health: nothing skipped; the pool keeps addresses, so nothing is ever re-recorded."""
+    record = cachelife_recipe(recipes, name, compile_mode)
     assert [call["health"]["cudagraph_skips"] for call in record["calls"]] == [0, 0, 0]
     assert [call["health"]["rerecords"] for call in record["calls"]] == [0, 0, 0]
 

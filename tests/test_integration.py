@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
 from cachelife import zoo
-from cachelife.cache_lifecycle import CacheLifecycle
+from cachelife.cache_lifecycle import CacheLifecycle, static_parts
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.integration import cache_argument_name, find_cache
 from cachelife.layer_lifecycle import Filled, Pinned
@@ -211,7 +212,9 @@ def test_prepare_static_cache_is_pinned_and_generates_like_eager(name: str) -> N
         assert isinstance(cache, StaticCache)
     else:
         assert isinstance(cache, EncoderDecoderCache)
-        assert all(type(layer) is StaticLayer for layer in cache.cross_attention_cache.layers)
+        _, _, cross = static_parts(cache)
+        assert cross is not None
+        assert all(type(layer) is StaticLayer for layer in cross.layers)
         assert {layer.state.buffers.key_shape[2] for layer in state.cross_attention} == {encoder_length}  # type: ignore[union-attr]
     cachelife.enable(model)  # so that the forward calls record the content they write
     tokens = zoo.generate_tokens(model, inputs, **SETTINGS, **{cache_argument_name(model): cache})
@@ -242,9 +245,10 @@ def test_prepare_static_cache_sizes_t5_by_its_decoder() -> None:
     config.num_decoder_layers = 3
     model = T5ForConditionalGeneration(config).eval()
     cache = cachelife.prepare_static_cache(model, batch_size=1, max_cache_len=4, encoder_length=5)
-    assert isinstance(cache, EncoderDecoderCache)
-    assert len(cache.self_attention_cache.layers) == 3
-    assert len(cache.cross_attention_cache.layers) == 3
+    _, own, cross = static_parts(cache)
+    assert len(own.layers) == 3
+    assert cross is not None
+    assert len(cross.layers) == 3
 
 
 def test_enable_is_idempotent_and_disable_restores_the_model_exactly() -> None:
@@ -333,3 +337,31 @@ def test_mixin_refuses_classes_that_are_no_model() -> None:
 
     with pytest.raises(UnsupportedCacheError, match="must be mixed into a transformers PreTrainedModel"):
         NotAModel()
+
+
+def test_cudagraph_skips_during_compiled_decoding_are_reported(caplog: pytest.LogCaptureFixture) -> None:
+    # On a CPU torch never skips CUDA graphs; stand in for a compiled forward during which it did once.
+    built = zoo.build("llama")
+    model = built.model
+    cachelife.enable(model)
+    eager_forward = model.forward
+
+    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
+        if not counters["test"]["skipped"]:
+            counters["test"]["skipped"] = 1
+            counters["inductor"]["cudagraph_skips"] += 1
+        return eager_forward(*args, **kwargs)
+
+    compiled_forward._torchdynamo_orig_callable = eager_forward  # type: ignore[attr-defined]
+    model.forward = compiled_forward  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger="cachelife"):
+            for _ in range(2):
+                zoo.generate_tokens(model, built.inputs(2, 5, 1), **SETTINGS, cache_implementation="static")
+    finally:
+        counters["inductor"]["cudagraph_skips"] -= 1
+        del counters["test"]
+    warnings = [r.getMessage() for r in caplog.records if "skipped CUDA graphs" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "for 1 compiled graph(s) while LlamaForCausalLM decoded" in warnings[0]
+    assert "TORCHINDUCTOR_FX_GRAPH_CACHE=0" in warnings[0]

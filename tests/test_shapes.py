@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers.cache_utils import EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import cachelife
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
@@ -229,7 +229,10 @@ def observed_shapes(model: Any, inputs: dict[str, Any]) -> CacheShapes:
         return tuple(LayerShape(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in layers)
 
     if isinstance(cache, EncoderDecoderCache):
-        return CacheShapes(read(cache.self_attention_cache.layers), read(cache.cross_attention_cache.layers))
+        own, cross = cache.self_attention_cache, cache.cross_attention_cache
+        assert isinstance(own, DynamicCache)
+        assert isinstance(cross, DynamicCache)
+        return CacheShapes(read(own.layers), read(cross.layers))
     return CacheShapes(read(cache.layers))
 
 

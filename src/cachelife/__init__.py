@@ -59,6 +59,7 @@ __all__ = [
     "UnpinnedCacheError",
     "UnsupportedCacheError",
     "__version__",
+    "configure_from_environment",
     "disable",
     "disable_debug_logging",
     "enable",

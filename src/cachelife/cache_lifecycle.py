@@ -167,57 +167,62 @@ def lifecycle(cache: object) -> CacheLifecycle:
     Layers already holding buffers are adopted as they are (`Pinned` or `Filled`); layers or sub-caches
     replaced since the last call get fresh lifecycles, so the view always matches the cache.
     """
-    if not is_managed_cache(cache):
-        msg = (
-            f"cachelife manages a StaticCache or an EncoderDecoderCache of StaticCaches, got "
-            f"{_describe_cache(cache)}; use cache_implementation='static' or cachelife.prepare_static_cache"
-        )
-        raise UnsupportedCacheError(msg)
-    known = _REGISTRY.get(cache)
-    ids = _layer_ids(cache)
+    top, own, cross = static_parts(cache)
+    ids = tuple(id(obj) for part in (own, cross) if part is not None for obj in (part, *part.layers))
+    known = _REGISTRY.get(top)
     if known is not None and known._layer_ids == ids:
         return known
-    fresh = _build(cache, ids, known)
-    _REGISTRY[cache] = fresh
+    fresh = _build(own, cross, top if is_encoder_decoder_cache(top) else None, ids, known)
+    _REGISTRY[top] = fresh
     return fresh
 
 
-def _build(cache: ManagedCache, ids: tuple[int, ...], known: CacheLifecycle | None) -> CacheLifecycle:
-    previous = () if known is None else known.layers
-
-    def adopt(layer: object, index: int, role: Role, owner: EncoderDecoderCache | None) -> LayerLifecycle:
-        for kept in previous:
-            if kept.tracks(layer) and kept.role == role and kept.index == index:
-                return kept
-        return LayerLifecycle.adopt(layer, index=index, role=role, owner=owner)
-
+def static_parts(cache: object) -> tuple[ManagedCache, StaticCache, StaticCache | None]:
+    """The cache itself, its static self-attention cache and, for an `EncoderDecoderCache`, its static
+    cross-attention cache. Raises `UnsupportedCacheError` for any other cache, naming what it got.
+    """
+    if is_static_cache(cache):
+        return cache, cache, None
     if is_encoder_decoder_cache(cache):
-        cross_cache = cache.cross_attention_cache
-        if not is_static_cache(cross_cache):
+        own, cross = cache.self_attention_cache, cache.cross_attention_cache
+        if is_static_cache(own) and is_static_cache(cross):
+            return cache, own, cross
+        if is_static_cache(own):
             msg = (
                 "the EncoderDecoderCache has a static self-attention cache but a "
-                f"{type(cross_cache).__name__} cross-attention cache; both must be StaticCache for compiled "
+                f"{type(cross).__name__} cross-attention cache; both must be StaticCache for compiled "
                 "decoding (cachelife.prepare_static_cache builds such a pair)"
             )
             raise UnsupportedCacheError(msg)
-        self_layers = cache.self_attention_cache.layers
-        return CacheLifecycle(
-            self_attention=tuple(adopt(layer, i, "self", None) for i, layer in enumerate(self_layers)),
-            cross_attention=tuple(adopt(layer, i, "cross", cache) for i, layer in enumerate(cross_cache.layers)),
-            layer_ids=ids,
-        )
+    msg = (
+        f"cachelife manages a StaticCache or an EncoderDecoderCache of StaticCaches, got "
+        f"{_describe_cache(cache)}; use cache_implementation='static' or cachelife.prepare_static_cache"
+    )
+    raise UnsupportedCacheError(msg)
+
+
+def _build(
+    own: StaticCache,
+    cross: StaticCache | None,
+    owner: EncoderDecoderCache | None,
+    ids: tuple[int, ...],
+    known: CacheLifecycle | None,
+) -> CacheLifecycle:
+    previous = () if known is None else known.layers
+
+    def adopt(layer: object, index: int, role: Role) -> LayerLifecycle:
+        for kept in previous:
+            if kept.tracks(layer) and kept.role == role and kept.index == index:
+                return kept
+        return LayerLifecycle.adopt(layer, index=index, role=role, owner=owner if role == "cross" else None)
+
     return CacheLifecycle(
-        self_attention=tuple(adopt(layer, i, "self", None) for i, layer in enumerate(cache.layers)),
-        cross_attention=(),
+        self_attention=tuple(adopt(layer, i, "self") for i, layer in enumerate(own.layers)),
+        cross_attention=()
+        if cross is None
+        else tuple(adopt(layer, i, "cross") for i, layer in enumerate(cross.layers)),
         layer_ids=ids,
     )
-
-
-def _layer_ids(cache: ManagedCache) -> tuple[int, ...]:
-    if is_encoder_decoder_cache(cache):
-        sub = (cache.self_attention_cache, cache.cross_attention_cache)
-        return tuple(id(obj) for part in sub for obj in (part, *part.layers))
-    return tuple(id(obj) for obj in (cache, *cache.layers))
 
 
 def _per_layer_devices(device: Devices, count: int) -> list[torch.device]:

@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 from attrs import define, field
+from torch._dynamo.utils import counters
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
@@ -223,6 +224,8 @@ class _DecodingGuard:
 
     on_unpinned: OnUnpinned
     pool: CachePool | None
+    # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
+    _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
     # Attribute name -> the instance attribute that was there before (absent if the class provided it).
     _saved: dict[str, Any] = field(factory=dict, alias="saved")
@@ -311,7 +314,10 @@ class _DecodingGuard:
     ) -> None:
         if torch.compiler.is_compiling():
             return
-        self.record_content(kwargs, compiled=_is_compiled(getattr(module, "forward", None)))
+        compiled = _is_compiled(getattr(module, "forward", None))
+        self.record_content(kwargs, compiled=compiled)
+        if compiled:
+            self.report_cudagraph_skips(module)
 
     def record_content(self, kwargs: Mapping[str, Any], *, compiled: bool) -> None:
         cache = find_cache(kwargs)
@@ -325,6 +331,22 @@ class _DecodingGuard:
             if layer.cross_content_written:
                 layer.fill(FillRecord("forward", _encoder_length(kwargs), compiled))
 
+    def report_cudagraph_skips(self, module: torch.nn.Module) -> None:
+        """Warn when torch skipped CUDA graphs since the last look: the graph then runs correct but slow."""
+        skips = int(counters["inductor"]["cudagraph_skips"])
+        if skips <= self._skips_seen:
+            return
+        logger.warning(
+            "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded (see torch's 'skipping "
+            "cudagraphs due to ...' log line): those graphs run without CUDA graphs, correct but slow. cachelife's "
+            "caches are pinned and marked static; if the reason is 'mutated inputs', a compile-cache artifact "
+            "made by a run whose caches were not static is the suspect: run once with TORCHINDUCTOR_FX_GRAPH_CACHE=0 "
+            "and TORCHINDUCTOR_AUTOGRAD_CACHE=0, or with a fresh TORCHINDUCTOR_CACHE_DIR.",
+            skips - self._skips_seen,
+            type(module).__name__,
+        )
+        self._skips_seen = skips
+
     def guard_compiled_call(self, model: PreTrainedModel, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap transformers' auto-compiled `__call__` so the boundary checks run eagerly around it."""
         if not _is_compiled(compiled):  # e.g. models transformers never compiles
@@ -334,6 +356,7 @@ class _DecodingGuard:
             self.before_forward(model, args, kwargs)
             output = compiled(*args, **kwargs)
             self.record_content(kwargs, compiled=True)
+            self.report_cudagraph_skips(model)
             return output
 
         return guarded

@@ -41,7 +41,6 @@ class DummyLayer:
     def __init__(self, **kwargs: Any) -> None: ...
 
 class Cache:
-    layers: list[Any]
     def __init__(
         self,
         layers: list[Any] | None = None,
@@ -70,9 +69,12 @@ class Cache:
     def is_initialized(self) -> bool: ...
 
 class DynamicCache(Cache):
+    layers: list[Any]
     def __init__(self, ddp_cache_data: Any = None, config: PreTrainedConfig | None = None, **kwargs: Any) -> None: ...
 
 class StaticCache(Cache):
+    # StaticLayer, StaticSlidingWindowLayer, ... or layer types cachelife refuses (narrow before use).
+    layers: list[Any]
     def __init__(
         self,
         config: PreTrainedConfig,
@@ -83,6 +85,7 @@ class StaticCache(Cache):
     ) -> None: ...
 
 class EncoderDecoderCache(Cache):
+    # Holds no `layers` of its own: they are in the two sub-caches.
     self_attention_cache: Cache
     cross_attention_cache: Cache
     # layer index -> whether the cross-attention keys and values of that layer have been computed.

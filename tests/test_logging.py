@@ -1,0 +1,70 @@
+"""Debug logging: silent by default, no handler unless asked, CACHELIFE_LOG honoured."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.cache_utils import StaticLayer
+
+import cachelife
+from cachelife.buffers import PinSpec
+from cachelife.layer_lifecycle import LayerLifecycle
+
+SPEC = PinSpec(1, 2, 4, 4, torch.float32, torch.device("cpu"))
+
+
+def test_no_handler_and_no_level_by_default() -> None:
+    logger = logging.getLogger("cachelife")
+    assert logger.handlers == []
+    assert logger.level == logging.NOTSET
+
+
+def test_enable_debug_logging_writes_one_line_per_transition() -> None:
+    stream = io.StringIO()
+    cachelife.enable_debug_logging(stream=stream)
+    layer = StaticLayer(max_cache_len=3)
+    LayerLifecycle.adopt(layer, index=2, role="self").pin(SPEC)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    assert "DEBUG cachelife.layer_lifecycle: layer=2 role=self pin: Unallocated -> Pinned" in lines[0]
+    cachelife.disable_debug_logging()
+    assert logging.getLogger("cachelife").handlers == []
+
+
+def test_a_second_enable_replaces_the_handler() -> None:
+    first = cachelife.enable_debug_logging(stream=io.StringIO())
+    second = cachelife.enable_debug_logging(stream=io.StringIO())
+    assert logging.getLogger("cachelife").handlers == [second]
+    assert first is not second
+
+
+@pytest.mark.parametrize(("value", "expect"), [("debug", "layer=0 role=self pin"), ("warning", "")])
+def test_environment_variable(value: str, expect: str) -> None:
+    code = (
+        "import torch, cachelife\n"
+        "from transformers.cache_utils import StaticLayer\n"
+        "from cachelife.layer_lifecycle import LayerLifecycle\n"
+        "from cachelife.buffers import PinSpec\n"
+        "layer = StaticLayer(max_cache_len=2)\n"
+        "spec = PinSpec(1, 1, 2, 2, torch.float32, torch.device('cpu'))\n"
+        "LayerLifecycle.adopt(layer, index=0, role='self').pin(spec)\n"
+    )
+    env = {**os.environ, "CACHELIFE_LOG": value}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    if expect:
+        assert expect in done.stderr
+    else:
+        assert "cachelife" not in done.stderr
+
+
+def test_unknown_level_warns_and_stays_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHELIFE_LOG", "chatty")
+    with pytest.warns(UserWarning, match="CACHELIFE_LOG='chatty' is not a logging level"):
+        cachelife.configure_from_environment()
+    assert logging.getLogger("cachelife").handlers == []
