@@ -177,3 +177,15 @@ def test_a_lifecycle_whose_cache_is_gone_says_so() -> None:
     gc.collect()
     with pytest.raises(UnsupportedCacheError, match="no longer exists: its cache was garbage-collected"):
         pin(state)
+
+
+def test_whole_cache_verdicts_follow_every_transition() -> None:
+    cache = encoder_decoder_cache()
+    state = cachelife.lifecycle(cache)
+    assert (state.is_pinned, state.is_filled) == (False, False)
+    pin(state)
+    assert (state.is_pinned, state.is_filled) == (True, False)
+    state.fill(FillRecord("test"))
+    assert (state.is_pinned, state.is_filled) == (True, True)
+    state.cross_attention[1].release()
+    assert (state.is_pinned, state.is_filled) == (False, False)

@@ -18,7 +18,15 @@ from typing_extensions import TypeIs
 
 from cachelife.buffers import PinSpec
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.layer_lifecycle import Filled, FillRecord, LayerLifecycle, Pinned, Role, Unallocated
+from cachelife.layer_lifecycle import (
+    Filled,
+    FillRecord,
+    LayerLifecycle,
+    Pinned,
+    Role,
+    Unallocated,
+    transitions_so_far,
+)
 from cachelife.shapes import CacheShapes, LayerShape
 
 ManagedCache: TypeAlias = StaticCache | EncoderDecoderCache
@@ -53,6 +61,8 @@ class CacheLifecycle:
     _cross_attention: tuple[LayerLifecycle, ...] = field(alias="cross_attention")
     # Identity of the layer objects the lifecycles were built for, to notice replaced layers or sub-caches.
     _layer_ids: tuple[int, ...] = field(alias="layer_ids")
+    # (transitions_so_far() when computed, is_pinned, is_filled): checked once per step while decoding.
+    _verdict: tuple[int, bool, bool] = field(default=(-1, False, False), alias="verdict")
 
     @property
     def layers(self) -> tuple[LayerLifecycle, ...]:
@@ -72,12 +82,24 @@ class CacheLifecycle:
     @property
     def is_pinned(self) -> bool:
         """Whether every layer holds static buffers (state `Pinned` or `Filled`)."""
-        return all(layer.is_pinned for layer in self.layers)
+        return self._current_verdict()[1]
 
     @property
     def is_filled(self) -> bool:
         """Whether every layer holds content."""
-        return all(isinstance(layer.state, Filled) for layer in self.layers)
+        return self._current_verdict()[2]
+
+    def _current_verdict(self) -> tuple[int, bool, bool]:
+        # States change only through transitions, so the verdict holds until the next transition anywhere.
+        now = transitions_so_far()
+        if self._verdict[0] != now:
+            layers = self.layers
+            self._verdict = (
+                now,
+                all(layer.is_pinned for layer in layers),
+                all(isinstance(layer.state, Filled) for layer in layers),
+            )
+        return self._verdict
 
     def unpinned(self) -> tuple[LayerLifecycle, ...]:
         """The layers that hold no static buffers."""

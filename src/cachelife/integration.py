@@ -288,6 +288,8 @@ class _DecodingGuard:
         if not is_managed_cache(cache):
             return
         state = lifecycle(cache)
+        if state.is_filled:  # steady-state decoding: one memoised check per step
+            return
         _check_encoder_fits(state, kwargs)
         if state.is_pinned:
             return

@@ -84,6 +84,15 @@ _FIXES: Final[Mapping[tuple[type[LayerState], Event], str]] = {
 }
 
 
+# Counts every transition of every layer, so whole-cache verdicts can be memoised until the next one.
+_transitions_so_far = 0
+
+
+def transitions_so_far() -> int:
+    """How many transitions all layers have made in this process (for memoising whole-cache checks)."""
+    return _transitions_so_far
+
+
 def is_pinned_state(state: LayerState) -> bool:
     """Whether a layer in this state holds static buffers (pinned, with or without content)."""
     return isinstance(state, Pinned | Filled)
@@ -233,8 +242,10 @@ class LayerLifecycle:
         return IllegalTransitionError(msg)
 
     def _enter(self, event: Event, new: LayerState, origin: str = "") -> None:
+        global _transitions_so_far  # noqa: PLW0603 - the one process-wide transition counter
         old = self._state
         self._state = new
+        _transitions_so_far += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s%s", describe_transition(self, event, old, new), origin)
 
