@@ -107,7 +107,9 @@ def test_pool_off() -> None:
     cachelife.enable(built.model, pool_bytes=0)
     assert cachelife.pool_of(built.model) is None
     with pytest.raises(ValueError, match="pool_bytes must be an int >= 0"):
-        cachelife.enable(built.model, pool_bytes=-1)
+        cachelife.enable(built.model, pool_bytes=-1, on_unpinned="raise")
+    guard = built.model.__dict__["_cachelife_guard"]
+    assert guard.on_unpinned == "pin"  # the refused call changed nothing
 
 
 def test_reused_buffers_leave_the_layer_as_a_fresh_pin_would() -> None:

@@ -147,6 +147,7 @@ def enable(
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
         raise ValueError(msg)
+    _check_pool_budget(pool_bytes)
     existing = _guard_of(model)
     if existing is not None:
         existing.on_unpinned = on_unpinned
@@ -174,10 +175,13 @@ def release_pool(model: object) -> None:
         pool.clear()
 
 
-def _make_pool(budget: int, current: CachePool | None) -> CachePool | None:
+def _check_pool_budget(budget: object) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         msg = f"pool_bytes must be an int >= 0 (0 turns the pool off), got {budget!r}"
         raise ValueError(msg)
+
+
+def _make_pool(budget: int, current: CachePool | None) -> CachePool | None:
     if budget == 0:
         return None
     if current is not None:
