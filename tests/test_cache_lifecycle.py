@@ -82,7 +82,7 @@ def test_pin_is_idempotent_and_checks_already_pinned_layers() -> None:
     before = [layer.state for layer in state.layers]
     pin(state)
     assert [layer.state for layer in state.layers] == before
-    with pytest.raises(CacheShapeError, match=r"layer 0 \(self-attention\) is already Pinned.*keys shape"):
+    with pytest.raises(CacheShapeError, match=r"layer 0 \(self-attention\) is already Pinned and holds keys of shape"):
         pin(state, batch_size=5)
     assert [layer.state for layer in state.layers] == before
 

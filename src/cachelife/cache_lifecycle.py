@@ -273,19 +273,20 @@ def _check_matches(layer: LayerLifecycle, spec: PinSpec) -> None:
     want_keys = (spec.batch_size, spec.num_kv_heads, have.key_shape[2], spec.key_head_dim)
     want_values = (spec.batch_size, spec.num_kv_heads, have.value_shape[2], spec.value_head_dim)
     mismatches = [
-        f"{what} {got!r} != requested {wanted!r}"
+        f"{what} {got!r} where {wanted!r} is needed"
         for what, got, wanted in (
-            ("keys shape", have.key_shape, want_keys),
-            ("values shape", have.value_shape, want_values),
+            ("keys of shape", have.key_shape, want_keys),
+            ("values of shape", have.value_shape, want_values),
             ("dtype", have.dtype, spec.dtype),
-            ("device", have.device, spec.device),
+            ("device", str(have.device), str(spec.device)),
         )
         if got != wanted
     ]
     if mismatches:
         msg = (
-            f"{layer.describe()} is already {type(state).__name__} with other buffers: {'; '.join(mismatches)}. "
-            "Release the cache (CacheLifecycle.release()) or build a new one for the new request."
+            f"{layer.describe()} is already {type(state).__name__} and holds {'; '.join(mismatches)} "
+            "(shape is batch, key/value heads, positions, head dim; generate's batch is batch x "
+            "max(num_beams, num_return_sequences)). Build the cache for this model and call, or release it first."
         )
         raise CacheShapeError(msg)
 

@@ -29,6 +29,7 @@ from torch._dynamo.utils import counters
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
+from cachelife import buffers
 from cachelife.cache_lifecycle import (
     CacheLifecycle,
     ManagedCache,
@@ -36,9 +37,10 @@ from cachelife.cache_lifecycle import (
     is_managed_cache,
     is_static_cache,
     lifecycle,
+    resolve_device,
 )
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
-from cachelife.layer_lifecycle import FillRecord, Unallocated
+from cachelife.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
 from cachelife.pool import DEFAULT_BUDGET_BYTES, BufferSet, CachePool, pool_key
 from cachelife.shapes import CacheShapes, model_cache_shapes
 
@@ -295,13 +297,17 @@ class _DecodingGuard:
         if state.is_filled:  # steady-state decoding: one memoised check per step
             return
         _check_encoder_fits(state, kwargs)
-        if state.is_pinned:
-            return
-        if self.on_unpinned == "raise" or not isinstance(module, PreTrainedModel):
-            state.require_pinned()
-            return
+        if not state.is_pinned:
+            self.pin_late(module, cache, state, kwargs)
+        if isinstance(module, PreTrainedModel):
+            _check_call_fits(state, module, kwargs)
+
+    def pin_late(
+        self, module: torch.nn.Module, cache: ManagedCache, state: CacheLifecycle, kwargs: Mapping[str, Any]
+    ) -> None:
+        """A cache reached the forward call unpinned: pin it there and warn, or refuse it."""
         batch_size = _batch_size(kwargs)
-        if batch_size is None:
+        if self.on_unpinned == "raise" or not isinstance(module, PreTrainedModel) or batch_size is None:
             state.require_pinned()
             return
         late = ", ".join(layer.describe() for layer in state.unpinned())
@@ -440,6 +446,58 @@ def _check_encoder_fits(state: CacheLifecycle, kwargs: Mapping[str, Any]) -> Non
                 f"the encoder output has {length} positions but {layer.describe()} holds {capacity}; build "
                 "the cache with encoder_length >= the encoder's output length"
             )
+            raise CacheShapeError(msg)
+
+
+def _check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mapping[str, Any]) -> None:
+    """Before a cache's first forward call: its buffers must fit this model and this call (host facts only)."""
+    batch_size = _batch_size(kwargs)
+    query_length = _query_length(kwargs)
+    device = resolve_device(model.device)
+    shapes = model_cache_shapes(model)
+    expected = [*shapes.self_attention, *shapes.cross_attention]
+    if len(expected) != len(state.layers):
+        msg = (
+            f"the cache has {len(state.self_attention)} self-attention and {len(state.cross_attention)} "
+            f"cross-attention layers but {type(model).__name__} has {len(shapes.self_attention)} and "
+            f"{len(shapes.cross_attention)}: is it a cache of another model?"
+        )
+        raise CacheShapeError(msg)
+    for layer, shape in zip(state.layers, expected, strict=True):
+        current = layer.state
+        if not isinstance(current, Pinned | Filled):
+            continue
+        have = current.buffers
+        problems = []
+        if batch_size is not None and have.key_shape[0] != batch_size:
+            problems.append(
+                f"it holds a batch of {have.key_shape[0]} but this call has {batch_size} sequences "
+                "(generate needs batch x max(num_beams, num_return_sequences))"
+            )
+        if (have.key_shape[1], have.key_shape[3], have.value_shape[3]) != (
+            shape.num_kv_heads,
+            shape.key_head_dim,
+            shape.value_head_dim,
+        ):
+            problems.append(
+                f"it holds {have.key_shape[1]} heads of {have.key_shape[3]}/{have.value_shape[3]} (key/value dims) "
+                f"but {type(model).__name__} writes {shape.num_kv_heads} heads of "
+                f"{shape.key_head_dim}/{shape.value_head_dim}: is it a cache of another model?"
+            )
+        if have.dtype != model.dtype or have.device != device:
+            problems.append(f"it holds {have.dtype} on {have.device} but the model computes {model.dtype} on {device}")
+        if (
+            layer.role == "self"
+            and isinstance(current, Pinned)
+            and query_length is not None
+            and not buffers.is_sliding_layer(layer.layer)
+            and query_length > have.key_shape[2]
+        ):
+            problems.append(
+                f"the call writes {query_length} positions but it holds {have.key_shape[2]} (max_cache_len)"
+            )
+        if problems:
+            msg = f"{layer.describe()} does not fit this forward call: {'; '.join(problems)}"
             raise CacheShapeError(msg)
 
 
