@@ -34,6 +34,15 @@ def tests(session: nox.Session, transformers: str) -> None:
     session.run("python", "-m", "pytest", "-m", "not gpu", *session.posargs)
 
 
+@nox.session(python=PYTHON, default=False)
+def fuzz(session: nox.Session) -> None:
+    """The stateful property tests with the long `fuzz` hypothesis profile (1500 examples of up to 60 steps)."""
+    install(session)
+    session.run(
+        "python", "-m", "pytest", "tests/test_state_machine.py", *session.posargs, env={"HYPOTHESIS_PROFILE": "fuzz"}
+    )
+
+
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src, tests and noxfile.py, against the stubs in typings/."""

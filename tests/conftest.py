@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import cachelife
+
+# Stateful property tests: `ci` runs in every `nox -s tests`; `nox -s fuzz` selects `fuzz`.
+settings.register_profile(
+    "ci", max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "fuzz", max_examples=1500, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
