@@ -43,6 +43,13 @@ def fuzz(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON, default=False)
+def soak(session: nox.Session) -> None:
+    """200 consecutive generate calls with cachelife on the CPU; writes bench/results/soak-cpu-*.json."""
+    install(session)
+    session.run("python", "-m", "bench.soak", "--device", "cpu", "--calls", "200", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src, tests and noxfile.py, against the stubs in typings/."""

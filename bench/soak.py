@@ -1,0 +1,136 @@
+"""Soak: many consecutive `generate` calls with cachelife enabled; memory must stay flat, tokens equal eager.
+
+    python -m bench.soak [--device cpu|cuda] [--calls 200] [--model t5] [--compile] [--out bench/results]
+
+Each call uses another prompt of the same length (seeded), and is compared with eager dynamic-cache
+generation of that prompt. Records resident memory (and CUDA allocated bytes) after the warm-up calls and
+at the end, the pool's hits and misses, CUDA-graph skips and re-records, and seconds per call; writes
+`<out>/soak-<device>-<date>.json`. A benchmark, not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import cachelife
+from cachelife import zoo
+from cachelife.recipe import CudaGraphHealth, resolve_device
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = 10
+
+
+def resident_bytes() -> int:
+    """This process's resident set size, from /proc (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory(device: torch.device) -> dict[str, int]:
+    gc.collect()
+    sample = {"rss_bytes": resident_bytes()}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        sample["cuda_allocated_bytes"] = torch.cuda.memory_allocated(device)
+    return sample
+
+
+def soak(model_name: str, device: torch.device, calls: int, compile_forward: bool, new_tokens: int) -> dict[str, Any]:
+    if calls <= WARMUP:
+        msg = f"calls must exceed the {WARMUP} warm-up calls, got {calls}"
+        raise ValueError(msg)
+    built = zoo.build(model_name, device=device)
+    model = built.model
+    settings = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    prompts = [built.inputs(4, 24, seed) for seed in range(calls)]
+    references = [zoo.generate_tokens(model, prompt, **settings, disable_compile=True) for prompt in prompts]
+    cachelife.enable(model)
+    if compile_forward:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+    equal, seconds, samples = [], [], {}
+    start = CudaGraphHealth.now()
+    for index, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
+        started = time.perf_counter()
+        tokens = zoo.generate_tokens(model, prompt, **settings, cache_implementation="static")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+        equal.append(bool(torch.equal(tokens, reference)))
+        if index + 1 == WARMUP:
+            samples["after_warmup"] = memory(device)
+            after_warmup = CudaGraphHealth.now()
+    samples["end"] = memory(device)
+    end = CudaGraphHealth.now()
+    pool = cachelife.pool_of(model)
+    return {
+        "model": model_name,
+        "calls": calls,
+        "compiled_forward": compile_forward,
+        "new_tokens": new_tokens,
+        "tokens_equal_eager": all(equal),
+        "calls_not_equal": [i for i, ok in enumerate(equal) if not ok],
+        "memory": samples,
+        "rss_growth_after_warmup_bytes": samples["end"]["rss_bytes"] - samples["after_warmup"]["rss_bytes"],
+        "cuda_growth_after_warmup_bytes": (
+            samples["end"]["cuda_allocated_bytes"] - samples["after_warmup"]["cuda_allocated_bytes"]
+            if device.type == "cuda"
+            else None
+        ),
+        "pool": None if pool is None else {"hits": pool.hits, "misses": pool.misses, "idle_bytes": pool.idle_bytes},
+        "cudagraph_skips": end.cudagraph_skips - start.cudagraph_skips,
+        "rerecords_after_warmup": end.rerecords - after_warmup.rerecords,
+        "seconds_per_call": {
+            "first": round(seconds[0], 4),
+            "median_after_warmup": round(sorted(seconds[WARMUP:])[len(seconds[WARMUP:]) // 2], 4),
+        },
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="t5")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--compile", action="store_true", help="compile model.forward (CUDA graphs on a GPU)")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    date = datetime.datetime.now(datetime.UTC)
+    record = {
+        "benchmark": "soak",
+        "date": date.isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cachelife": cachelife.__version__,
+        "result": soak(args.model, device, args.calls, args.compile, args.new_tokens),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "-compiled" if args.compile else ""
+    path = out / f"soak-{device.type}{suffix}-{date:%Y%m%d}-tf{transformers.__version__}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    result = record["result"]
+    print(
+        f"{args.calls} calls: tokens equal eager {result['tokens_equal_eager']}, RSS growth after warm-up "
+        f"{result['rss_growth_after_warmup_bytes'] / 2**20:.1f} MiB, pool {result['pool']}, "
+        f"re-records {result['rerecords_after_warmup']}; wrote {path}"
+    )
+    return 0 if result["tokens_equal_eager"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
