@@ -35,8 +35,12 @@ def render(record: dict[str, Any]) -> str:
             if path is None:
                 continue
             if key == "vanilla_compiled_forward":
-                outcome = path["failure"] or "ran"
-                lines.append(f"| {model} | {label} | fails: {outcome[:70]} | | | | | | | |")
+                if path["failure"]:
+                    outcome = f"fails: {path['failure'][:70]}"
+                else:
+                    equal = "yes" if all(path["tokens_equal_eager"]) else "NO"
+                    outcome = f"runs ({len(path['call_s'])} calls, tokens equal eager: {equal})"
+                lines.append(f"| {model} | {label} | {outcome} | | | | | | | |")
                 continue
             peak = "-" if path["peak_memory_bytes"] is None else f"{path['peak_memory_bytes'] / 2**20:.0f}"
             lines.append(
