@@ -52,7 +52,7 @@ def soak(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on src, tests and noxfile.py, against the stubs in typings/."""
+    """mypy --strict on src, tests, bench and noxfile.py, against the stubs in typings/."""
     install(session)
     session.run("mypy", "--strict")
 

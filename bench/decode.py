@@ -23,7 +23,6 @@ compiled after the first call (recompiles), and peak device memory. Results go t
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -31,18 +30,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import CompileConfig
 
 import cachelife
+from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
 from cachelife import zoo
 from cachelife.recipe import CudaGraphHealth, resolve_device
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH, LENGTH, SHORT, LONG, REPEATS, SAME_SHAPE_CALLS = 4, 48, 64, 192, 3, 5
 
 
@@ -134,6 +131,10 @@ def compile_forward(device: torch.device, with_cachelife: bool) -> Callable[[zoo
     return prepare
 
 
+def enable_only(built: zoo.ZooModel) -> None:
+    cachelife.enable(built.model)
+
+
 def auto_compile(device: torch.device) -> dict[str, Any]:
     config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
     config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
@@ -183,7 +184,7 @@ def run(models: list[str], device: torch.device, save: Callable[[dict[str, Any]]
             ("eager_dynamic", {}, None),
             ("transformers_auto_compile", auto_compile(device), None),
             ("cachelife_compiled_forward", {"cache_implementation": "static"}, compile_forward(device, True)),
-            ("cachelife_auto_compile", auto_compile(device), lambda built: cachelife.enable(built.model)),
+            ("cachelife_auto_compile", auto_compile(device), enable_only),
         ]
         for path, extra, prepare in plans:
             paths[path] = measure_path(name, device, extra, prepare)
@@ -203,23 +204,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--models", default="t5-small,bart-small,whisper-small,llama-small")
-    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     device = resolve_device(args.device)
-    date = datetime.datetime.now(datetime.UTC)
     record = {
-        "benchmark": "decode",
-        "date": date.isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cachelife": cachelife.__version__,
+        **header("decode", device),
         "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "dtype": "float32"},
         "models": {},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{device.type}-{date:%Y%m%d}-tf{transformers.__version__}.json"
+    path = results_path(args.out, "decode", device)
 
     def save(models: dict[str, Any]) -> None:
         record["models"] = models

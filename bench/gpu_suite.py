@@ -133,7 +133,7 @@ HEALTH_CASES = [
 def health(found: dict[str, str], work: Path, processes: int, parallel: int, cases: list[str]) -> dict[str, Any]:
     """The cachelife recipe in `processes` fresh processes per model and compile mode: skips, re-records."""
     version, path = list(found.items())[-1]  # the newest carried transformers
-    jobs = [(*case.split(":"), index) for case in cases for index in range(processes)]
+    jobs = [(model, mode, index) for model, mode in (case.split(":") for case in cases) for index in range(processes)]
     outcomes: dict[str, list[dict[str, Any]]] = {}
     for start in range(0, len(jobs), parallel):
         batch = jobs[start : start + parallel]

@@ -11,23 +11,20 @@ at the end, the pool's hits and misses, CUDA-graph skips and re-records, and sec
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 import cachelife
+from bench.results_file import DEFAULT_OUT, header, results_path
 from cachelife import zoo
 from cachelife.recipe import CudaGraphHealth, resolve_device
 
-ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 10
 
 
@@ -105,23 +102,11 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--compile", action="store_true", help="compile model.forward (CUDA graphs on a GPU)")
-    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     device = resolve_device(args.device)
-    date = datetime.datetime.now(datetime.UTC)
-    record = {
-        "benchmark": "soak",
-        "date": date.isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cachelife": cachelife.__version__,
-        "result": soak(args.model, device, args.calls, args.compile, args.new_tokens),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = "-compiled" if args.compile else ""
-    path = out / f"soak-{device.type}{suffix}-{date:%Y%m%d}-tf{transformers.__version__}.json"
+    record = {**header("soak", device), "result": soak(args.model, device, args.calls, args.compile, args.new_tokens)}
+    path = results_path(args.out, "soak-compiled" if args.compile else "soak", device)
     path.write_text(json.dumps(record, indent=1) + "\n")
     result = record["result"]
     print(
