@@ -33,13 +33,6 @@ class StaticSlidingWindowLayer(StaticLayer):
     cumulative_length_int: int
     def __init__(self, max_cache_len: int, sliding_window: int, **kwargs: Any) -> None: ...
 
-class DummyLayer:
-    supports_early_init: bool
-    is_initialized: bool
-    keys: None
-    values: None
-    def __init__(self, **kwargs: Any) -> None: ...
-
 class Cache:
     def __init__(
         self,
