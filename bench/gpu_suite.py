@@ -1,6 +1,6 @@
 """The whole GPU suite, in one command, for a CUDA machine with torch, pytest and attrs installed.
 
-    python3 bench/gpu_suite.py [--stages tests,health,probe] [--out DIR]
+    python3 bench/gpu_suite.py [--stages tests,health,probe,compile-cache] [--out DIR]
 
 Runs the GPU tests (pytest -m gpu) against the image's transformers and every wheel in `.whl/`
 (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once, and the
@@ -160,6 +160,56 @@ def health(found: dict[str, str], work: Path, processes: int, parallel: int, cas
     return {"transformers": version, "processes_per_case": processes, "cases": outcomes}
 
 
+def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-small") -> dict[str, Any]:
+    """Test the hypothesis for the intermittent CUDA-graph skips: a compile-cache artifact made by a run whose
+    caches were not static (transformers as released), reused by a cachelife run of the same graphs.
+
+    Each scenario gets its own TORCHINDUCTOR_CACHE_DIR; the steps of a scenario run one after the other.
+    """
+    version, path = list(found.items())[-1]
+    recipe = [sys.executable, "-m", "cachelife", "recipe", "--json", "--model", model, "--calls", "2"]
+    caches_off = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    scenarios: dict[str, list[tuple[str, list[str], dict[str, str]]]] = {
+        "cachelife in a fresh cache dir": [("cachelife", [], {})],
+        "vanilla then cachelife, caches on": [("vanilla", ["--without-cachelife"], {}), ("cachelife", [], {})],
+        "vanilla then cachelife, caches off": [
+            ("vanilla", ["--without-cachelife"], caches_off),
+            ("cachelife", [], caches_off),
+        ],
+        "cachelife twice, caches on": [("cachelife", [], {}), ("cachelife again", [], {})],
+    }
+    outcomes: dict[str, list[dict[str, Any]]] = {}
+    for index, (scenario, steps) in enumerate(scenarios.items()):
+        cache_dir = work / f"inductor-cache-{index}"
+        for step, extra, env in steps:
+            log = work / f"cache-{index}-{step.replace(' ', '-')}.log"
+            with log.open("w") as sink:
+                done = subprocess.run(
+                    recipe + extra,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=environment(path, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), **env),
+                    cwd=ROOT,
+                    check=False,
+                    timeout=600,
+                )
+            text = log.read_text(errors="replace")
+            lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+            record = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+            outcomes.setdefault(scenario, []).append(
+                {
+                    "step": step,
+                    "returncode": done.returncode,
+                    "ok": record.get("ok"),
+                    "cudagraph_skips": [call["health"]["cudagraph_skips"] for call in record.get("calls", [])],
+                    "skip_reason": next(
+                        (line[:300] for line in text.splitlines() if "skipping cudagraphs" in line), None
+                    ),
+                }
+            )
+    return {"transformers": version, "model": model, "scenarios": outcomes}
+
+
 def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict[str, Any]:
     """FACTS.md's hand-pinned probe (probe2.py t5_gen_marginal, carried in .device/probe), in fresh processes
     with static-input logging, to catch the intermittent 'skipping cudagraphs due to mutated inputs'."""
@@ -221,6 +271,8 @@ def main() -> int:
             summary["health"] = health(found, work, processes=5, parallel=10, cases=args.health_cases.split(","))
         if "probe" in stages:
             summary["probe"] = probe_hand_pinned(found, work, processes=5)
+        if "compile-cache" in stages:
+            summary["compile_cache_skips"] = compile_cache_skips(found, work)
         (out / "gpu-summary.json").write_text(json.dumps(summary, indent=1))
         with tarfile.open(out / "gpu-logs.tar.gz", "w:gz") as archive:
             for path in sorted(work.glob("*.log")) + sorted(work.glob("*.jsonl")) + sorted(work.glob("*.xml")):
