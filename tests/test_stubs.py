@@ -20,7 +20,8 @@ INSTANCE_ONLY = {"keys", "values", "is_initialized", "max_cache_len", "cumulativ
                  "layers", "self_attention_cache", "cross_attention_cache", "is_updated", "config",
                  "generation_config", "model_type", "is_encoder_decoder", "fullgraph", "dynamic", "backend", "mode",
                  "num_beams", "num_return_sequences", "cache_implementation", "compile_config", "disable_compile",
-                 "max_length", "max_source_positions", "num_mel_bins"}  # fmt: skip
+                 "max_length", "max_source_positions", "num_mel_bins", "eos_token_id", "pad_token_id",
+                 "decoder_start_token_id", "forced_eos_token_id", "no_repeat_ngram_size"}  # fmt: skip
 
 
 def stub_members() -> list[tuple[str, str, str]]:
@@ -58,8 +59,11 @@ def test_instance_attributes_exist() -> None:
     for name in ("keys", "values", "is_initialized", "max_cache_len", "cumulative_length", "cumulative_length_int"):
         assert hasattr(layer, name)
     generation = transformers.GenerationConfig()
-    for name in ("num_beams", "num_return_sequences", "cache_implementation", "compile_config", "disable_compile"):
-        assert hasattr(generation, name)
+    for name in (
+        "num_beams", "num_return_sequences", "cache_implementation", "compile_config", "disable_compile",
+        "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id", "no_repeat_ngram_size",
+    ):  # fmt: skip
+        assert hasattr(generation, name), name
 
 
 def test_the_documented_signature_of_prepare_cache_for_generation() -> None:

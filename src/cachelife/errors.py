@@ -39,3 +39,7 @@ class CacheShapeError(CacheLifecycleError, ValueError):
 
 class UnsupportedCacheError(CacheLifecycleError, TypeError):
     """The cache, or one of its layers, is of a kind cachelife cannot manage."""
+
+
+class UnsupportedGenerationError(CacheLifecycleError, ValueError):
+    """cachelife's decode loop was asked for generation settings it does not implement."""

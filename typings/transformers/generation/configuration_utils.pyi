@@ -24,4 +24,9 @@ class GenerationConfig:
     compile_config: CompileConfig | None
     disable_compile: bool
     max_length: int
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+    decoder_start_token_id: int | list[int] | None
+    forced_eos_token_id: int | list[int] | None
+    no_repeat_ngram_size: int | None
     def __init__(self, **kwargs: Any) -> None: ...

@@ -1,0 +1,141 @@
+"""cachelife's decode loop against `generate` with a compiled forward, and against the GPU kernel-time floor.
+
+    python -m bench.decode_loop [--device cuda|cpu] [--model t5-small] [--dtypes float32,bfloat16]
+
+For each dtype, in one process and on the same inputs (batch 4, encoder or prompt length 48):
+- the marginal wall time per step of `cachelife.decode` and of `generate` with cachelife and a compiled
+  forward ((time for 192 new tokens - time for 64) / 128, best of 3);
+- on CUDA, the GPU kernel time per step of the decode loop, measured the same way with torch.profiler
+  (kernel time of a 192-token run minus that of a 64-token run, over 128), and wall / kernel;
+- whether the loop's tokens equal eager `generate` (float32) or `generate` with the same compiled forward
+  (other dtypes), and the first diverging position otherwise.
+Writes `<out>/decode-loop-<device>-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import cachelife
+from bench.results_file import DEFAULT_OUT, header, results_path
+from cachelife import zoo
+from cachelife.decode import decode
+from cachelife.recipe import resolve_device
+
+BATCH, LENGTH, SHORT, LONG, REPEATS = 4, 48, 64, 192, 3
+
+
+def wall(device: torch.device, run: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    out = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started, out
+
+
+def marginal_ms(device: torch.device, run: Callable[[int], torch.Tensor]) -> float:
+    short = min(wall(device, lambda: run(SHORT))[0] for _ in range(REPEATS))
+    long = min(wall(device, lambda: run(LONG))[0] for _ in range(REPEATS))
+    return 1000 * (long - short) / (LONG - SHORT)
+
+
+def kernel_ms(device: torch.device, run: Callable[[int], torch.Tensor]) -> float | None:
+    if device.type != "cuda":
+        return None
+    totals = {}
+    for tokens in (SHORT, LONG):
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            run(tokens)
+            torch.cuda.synchronize(device)
+        events = [e for e in trace.key_averages() if e.device_type.name == "CUDA"]
+        totals[tokens] = sum(e.self_device_time_total for e in events) / 1000
+    return float(totals[LONG] - totals[SHORT]) / (LONG - SHORT)
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    if a.shape == b.shape and torch.equal(a, b):
+        return None
+    width = min(a.shape[1], b.shape[1])
+    differs = (a[:, :width] != b[:, :width]).any(dim=0).nonzero()
+    return int(differs[0]) if differs.numel() else width
+
+
+def measure(name: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    torch._dynamo.reset()
+    built = zoo.build(name, device=device, dtype=dtype)
+    model = built.model
+    model.generation_config.forced_eos_token_id = None
+    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly N tokens
+    inputs = built.inputs(BATCH, LENGTH, 1)
+    eager = zoo.generate_tokens(model, inputs, do_sample=False, max_new_tokens=LONG)
+    cachelife.enable(model)
+
+    def loop(tokens: int) -> torch.Tensor:
+        return decode(model, inputs, max_new_tokens=tokens)
+
+    compile_s, tokens = wall(device, lambda: loop(LONG))
+    loop_ms = marginal_ms(device, loop)
+    loop_kernel_ms = kernel_ms(device, loop)
+
+    compiled = zoo.build(name, device=device, dtype=dtype).model
+    compiled.generation_config.forced_eos_token_id = None
+    compiled.generation_config.eos_token_id = None
+    cachelife.enable(compiled)
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    compiled.forward = torch.compile(compiled.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+
+    def generate(tokens: int) -> torch.Tensor:
+        return zoo.generate_tokens(
+            compiled, inputs, do_sample=False, max_new_tokens=tokens, cache_implementation="static"
+        )
+
+    _, generated = wall(device, lambda: generate(LONG))
+    generate_ms = marginal_ms(device, generate)
+    reference = eager if dtype == torch.float32 else generated
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "loop_first_call_s": round(compile_s, 3),
+        "loop_ms_per_step": round(loop_ms, 4),
+        "loop_kernel_ms_per_step": None if loop_kernel_ms is None else round(loop_kernel_ms, 4),
+        "loop_wall_over_kernel": None if not loop_kernel_ms else round(loop_ms / loop_kernel_ms, 3),
+        "generate_compiled_forward_ms_per_step": round(generate_ms, 4),
+        "speedup_over_generate": round(generate_ms / loop_ms, 3),
+        "compared_with": "eager generate" if dtype == torch.float32 else "generate with the same compiled forward",
+        "first_divergence": first_divergence(tokens, reference),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="t5-small")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    record: dict[str, Any] = {
+        **header("decode-loop", device),
+        "settings": {"model": args.model, "batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG]},
+        "results": [],
+    }
+    path = results_path(args.out, "decode-loop", device)
+    for dtype in args.dtypes.split(","):
+        record["results"].append(measure(args.model, device, getattr(torch, dtype)))
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps(record["results"][-1]), flush=True)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""cachelife's own decode loop, in the gpt-fast style, for encoder-decoder and decoder-only models.
+
+`decode(model, inputs, max_new_tokens=...)` runs prefill eagerly, then one compiled step per token that
+includes token selection (greedy, or sampling from a seeded `torch.Generator`) and end-of-sequence
+bookkeeping, on pinned caches created before anything compiled runs. The host reads nothing from the device
+while decoding, except every `stop_check_every` steps to see whether every sequence has ended. It returns
+what `generate` returns by default: the decoder's tokens (encoder-decoder), or prompt and new tokens
+(decoder-only), padded after each sequence's end-of-sequence token.
+
+It implements greedy search and plain sampling (temperature, top-k) only. A model whose generation config
+asks for more (forced or suppressed tokens, repetition penalties, minimum lengths, ...) is refused with
+`UnsupportedGenerationError` instead of decoding differently from `generate`. Prompts must not be padded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from attrs import frozen
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from cachelife.errors import UnsupportedGenerationError
+from cachelife.integration import cache_argument_name, pin_for_model, pool_of
+from cachelife.shapes import model_cache_shapes
+
+# Generation-config fields whose logits processors this loop does not apply, with their neutral values.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "bad_words_ids": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "forced_decoder_ids": (None,),
+    "sequence_bias": (None,),
+    "exponential_decay_length_penalty": (None,),
+}
+
+StepFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, StepFunction] = weakref.WeakKeyDictionary()
+
+
+def decode(
+    model: PreTrainedModel,
+    inputs: dict[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    stop_check_every: int = 16,
+    compile_step: bool = True,
+) -> torch.Tensor:
+    """Generate up to `max_new_tokens` tokens; see the module docstring."""
+    _check_generation_config(model)
+    if max_new_tokens < 1 or stop_check_every < 1:
+        msg = f"max_new_tokens and stop_check_every must be >= 1, got {max_new_tokens} and {stop_check_every}"
+        raise ValueError(msg)
+    if do_sample and generator is None:
+        msg = "sampling needs a seeded torch.Generator on the model's device (generator=...)"
+        raise ValueError(msg)
+    config = model.generation_config
+    eos = _eos_ids(config.eos_token_id, model.device)
+    pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+    with torch.no_grad():
+        prompt, step_inputs, first_logits = _prefill(model, inputs, max_new_tokens)
+        batch = prompt.shape[0]
+        noise = _Noise(generator if do_sample else None, batch, first_logits.shape[-1], model.device)
+        how = _Selection(do_sample, temperature, top_k, eos, pad)
+        step = _compiled_step(model) if compile_step else _decode_one_token
+        finished = torch.zeros(batch, 1, dtype=torch.bool, device=model.device)
+        token, finished = _select(first_logits, noise.next(), finished, how)
+        tokens = [token]
+        while len(tokens) < max_new_tokens:
+            if len(tokens) % stop_check_every == 0 and eos.numel() and bool(finished.all()):
+                break
+            token, finished = step(model, token, finished, noise.next(), how=how, step_inputs=step_inputs)
+            # CUDA-graph outputs are overwritten by the next replay: keep copies.
+            token, finished = token.clone(), finished.clone()
+            tokens.append(token)
+    new = torch.cat(tokens, dim=1)
+    return torch.cat([prompt, _trim_after_all_ended(new, eos)], dim=1)
+
+
+def _check_generation_config(model: PreTrainedModel) -> None:
+    config = model.generation_config
+    active = sorted(name for name, neutral in _NEUTRAL.items() if getattr(config, name, None) not in neutral)
+    if active:
+        msg = (
+            f"{type(model).__name__}'s generation config sets {', '.join(active)}, whose logits processors "
+            "cachelife.decode does not apply; set them to None on model.generation_config, or use generate"
+        )
+        raise UnsupportedGenerationError(msg)
+
+
+def _eos_ids(value: object, device: torch.device) -> torch.Tensor:
+    ids = [] if value is None else [value] if isinstance(value, int) else list(value)  # type: ignore[call-overload]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _prefill(
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], max_new_tokens: int
+) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
+    """Eager prefill: the prompt (or decoder start), the fixed step inputs, and the first logits."""
+    name = cache_argument_name(model)
+    pool = pool_of(model)
+    shapes = model_cache_shapes(model)
+    if model.config.is_encoder_decoder:
+        encoder_out = model.get_encoder()(**inputs)
+        hidden = encoder_out[0]
+        batch, encoder_length = int(hidden.shape[0]), int(hidden.shape[1])
+        start = model.generation_config.decoder_start_token_id
+        if start is None:
+            start = model.config.decoder_start_token_id
+        if not isinstance(start, int):
+            msg = f"cachelife.decode needs one decoder start token id, got {start!r}"
+            raise UnsupportedGenerationError(msg)
+        prompt = torch.full((batch, 1), start, dtype=torch.long, device=model.device)
+        cache = _new_cache(model, batch, max_new_tokens + 1, encoder_length)
+        pin_for_model(cache, model, batch_size=batch, shapes=shapes, encoder_length=encoder_length, pool=pool)
+        step_inputs: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden), name: cache}
+        if "attention_mask" in inputs:
+            step_inputs["attention_mask"] = inputs["attention_mask"]
+        for tensor in (hidden, step_inputs.get("attention_mask")):
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.mark_static_address(tensor)  # the same tensors every step: no copy into the graph
+        output = model(decoder_input_ids=prompt, use_cache=True, **step_inputs)
+    else:
+        prompt = inputs["input_ids"]
+        batch = int(prompt.shape[0])
+        cache = _new_cache(model, batch, int(prompt.shape[1]) + max_new_tokens, None)
+        pin_for_model(cache, model, batch_size=batch, shapes=shapes, pool=pool)
+        step_inputs = {name: cache}
+        output = model(input_ids=prompt, use_cache=True, **step_inputs)
+    return prompt, step_inputs, output.logits[:, -1].float()
+
+
+def _new_cache(model: PreTrainedModel, batch: int, max_cache_len: int, encoder_length: int | None) -> Any:
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer  # noqa: PLC0415
+
+    decoder_config = model.config.get_text_config(decoder=True)
+    own = StaticCache(config=decoder_config, max_cache_len=max_cache_len)
+    if encoder_length is None:
+        return own
+    cross = StaticCache(config=decoder_config, max_cache_len=encoder_length)
+    cross.layers = [StaticLayer(max_cache_len=encoder_length) for _ in cross.layers]
+    return EncoderDecoderCache(own, cross)
+
+
+class _Noise:
+    """Per-step exponential noise from the caller's generator, written in place into one static buffer
+    (ones, unused, for greedy search)."""
+
+    def __init__(self, generator: torch.Generator | None, batch: int, vocab: int, device: torch.device) -> None:
+        self.generator = generator
+        self.buffer = torch.ones(batch, vocab, device=device)
+        torch._dynamo.mark_static_address(self.buffer)
+
+    def next(self) -> torch.Tensor:
+        if self.generator is not None:
+            self.buffer.exponential_(generator=self.generator)
+        return self.buffer
+
+
+@frozen
+class _Selection:
+    """How tokens are chosen and sequences end; the same for every step of one `decode` call."""
+
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    eos: torch.Tensor
+    pad: int
+
+
+def _select(
+    logits: torch.Tensor, noise: torch.Tensor, finished: torch.Tensor, how: _Selection
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per sequence (argmax, or an exponential race: sampling from softmax(logits / T)), padded
+    for sequences that had already ended, and the updated end flags."""
+    if how.do_sample:
+        scores = logits / how.temperature
+        if how.top_k is not None:
+            kth = torch.topk(scores, min(how.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1, keepdim=True)
+    else:
+        token = logits.argmax(dim=-1, keepdim=True)
+    token = torch.where(finished, torch.full_like(token, how.pad), token)
+    if not how.eos.numel():
+        return token, finished
+    return token, finished | (token == how.eos.view(1, -1)).any(dim=-1, keepdim=True)
+
+
+def _decode_one_token(
+    model: PreTrainedModel,
+    token: torch.Tensor,
+    finished: torch.Tensor,
+    noise: torch.Tensor,
+    *,
+    how: _Selection,
+    step_inputs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step: a forward call and token selection (the function that gets compiled)."""
+    key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
+    output = model(**{key: token}, use_cache=True, **step_inputs)
+    return _select(output.logits[:, -1].float(), noise, finished, how)
+
+
+def _compiled_step(model: PreTrainedModel) -> StepFunction:
+    """The compiled step of this model (CUDA graphs on a GPU, inductor elsewhere), compiled once."""
+    compiled = _COMPILED.get(model)
+    if compiled is None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+        compiled = torch.compile(_decode_one_token, mode=mode, fullgraph=True)
+        _COMPILED[model] = compiled
+    return compiled
+
+
+def _trim_after_all_ended(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Cut the steps run after every sequence had ended (the loop checks only every few steps), as
+    `generate` stops at the step where the last sequence ends."""
+    if not eos.numel():
+        return tokens
+    is_end = (tokens.unsqueeze(-1) == eos.view(1, 1, -1)).any(dim=-1)
+    if not bool(is_end.any(dim=1).all()):
+        return tokens
+    last_end = int(is_end.float().argmax(dim=1).max())
+    return tokens[:, : last_end + 1]

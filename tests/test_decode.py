@@ -1,0 +1,113 @@
+"""cachelife's decode loop: greedy tokens equal `generate`'s, sampling is reproducible, stopping is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cachelife
+from cachelife import zoo
+from cachelife.decode import decode
+from cachelife.errors import UnsupportedGenerationError
+
+NAMES = ["t5", "bart", "whisper", "llama"]
+
+
+def neutral(name: str) -> zoo.ZooModel:
+    built = zoo.build(name)
+    built.model.generation_config.forced_eos_token_id = None  # BART's default; decode refuses it
+    return built
+
+
+def expected(built: zoo.ZooModel, inputs: zoo.Inputs, tokens: int) -> torch.Tensor:
+    out = zoo.generate_tokens(built.model, inputs, do_sample=False, max_new_tokens=tokens)
+    # Whisper's generate drops the decoder start token from what it returns; decode keeps it, as T5 and BART's do.
+    if built.model.config.model_type == "whisper":
+        start = torch.full_like(out[:, :1], built.model.generation_config.decoder_start_token_id)  # type: ignore[arg-type]
+        out = torch.cat([start, out], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_eager_step_equals_generate(name: str) -> None:
+    built = neutral(name)
+    inputs = built.inputs(2, 9, 1)
+    for tokens in (1, 5, 12):
+        assert torch.equal(
+            decode(built.model, inputs, max_new_tokens=tokens, compile_step=False), expected(built, inputs, tokens)
+        )
+
+
+def test_stops_where_generate_stops_when_every_sequence_ends() -> None:
+    built = neutral("bart")  # the tiny BART ends both sequences after one token
+    inputs = built.inputs(2, 9, 1)
+    reference = expected(built, inputs, 20)
+    assert reference.shape[1] < 21
+    for every in (1, 3, 16):
+        out = decode(built.model, inputs, max_new_tokens=20, stop_check_every=every, compile_step=False)
+        assert torch.equal(out, reference)
+
+
+def test_sequences_that_ended_are_padded_like_generate() -> None:
+    built = neutral("llama")
+    model = built.model
+    inputs = built.inputs(3, 5, 2)
+    free = decode(model, inputs, max_new_tokens=8, compile_step=False)
+    model.generation_config.eos_token_id = int(free[0, 6])  # the first sequence now ends mid-way
+    out = decode(model, inputs, max_new_tokens=8, compile_step=False)
+    assert torch.equal(out, expected(built, inputs, 8))
+    assert int(out[0, -1]) == model.generation_config.pad_token_id
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator() -> None:
+    built = neutral("llama")
+    inputs = built.inputs(2, 5, 1)
+
+    def sample(seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return decode(
+            built.model, inputs, max_new_tokens=10, do_sample=True, temperature=0.9, top_k=40, generator=generator,
+            compile_step=False,
+        )  # fmt: skip
+
+    assert torch.equal(sample(3), sample(3))
+    assert not torch.equal(sample(3), sample(4))
+
+
+def test_settings_it_does_not_implement_are_refused() -> None:
+    built = zoo.build("bart")
+    with pytest.raises(UnsupportedGenerationError, match="sets forced_eos_token_id"):
+        decode(built.model, built.inputs(1, 5, 1), max_new_tokens=3)
+    built.model.generation_config.forced_eos_token_id = None
+    built.model.generation_config.no_repeat_ngram_size = 3
+    with pytest.raises(UnsupportedGenerationError, match="no_repeat_ngram_size"):
+        decode(built.model, built.inputs(1, 5, 1), max_new_tokens=3)
+    llama = neutral("llama")
+    with pytest.raises(ValueError, match=r"sampling needs a seeded torch\.Generator"):
+        decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=3, do_sample=True)
+    with pytest.raises(ValueError, match="max_new_tokens and stop_check_every must be >= 1"):
+        decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_compiled_step_equals_generate_and_eager_sampling(name: str) -> None:
+    torch._dynamo.reset()
+    built = neutral(name)
+    model = built.model
+    inputs = built.inputs(2, 9, 1)
+    cachelife.enable(model)
+    for _ in range(2):
+        assert torch.equal(decode(model, inputs, max_new_tokens=12), expected(built, inputs, 12))
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert pool.hits == 1  # the second call decoded on the first call's buffers
+
+    def sample(compile_step: bool) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        return decode(
+            model, inputs, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, generator=generator,
+            compile_step=compile_step,
+        )  # fmt: skip
+
+    assert torch.equal(sample(True), sample(False))

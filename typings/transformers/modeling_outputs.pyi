@@ -1,0 +1,7 @@
+# transformers.modeling_outputs, as checked against 5.17.0, 5.23.0 and 5.24.0.
+import torch
+from transformers.utils import ModelOutput
+
+class BaseModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None
+    def __init__(self, last_hidden_state: torch.Tensor | None = None) -> None: ...
