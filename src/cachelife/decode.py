@@ -24,8 +24,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.errors import UnsupportedGenerationError
-from cachelife.integration import cache_argument_name, pin_for_model, pool_of
-from cachelife.shapes import model_cache_shapes
+from cachelife.integration import cache_argument_name, pool_of, prepare_static_cache
 
 # Generation-config fields whose logits processors this loop does not apply, with their neutral values.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
@@ -114,7 +113,6 @@ def _prefill(
     """Eager prefill: the prompt (or decoder start), the fixed step inputs, and the first logits."""
     name = cache_argument_name(model)
     pool = pool_of(model)
-    shapes = model_cache_shapes(model)
     if model.config.is_encoder_decoder:
         encoder_out = model.get_encoder()(**inputs)
         hidden = encoder_out[0]
@@ -126,8 +124,9 @@ def _prefill(
             msg = f"cachelife.decode needs one decoder start token id, got {start!r}"
             raise UnsupportedGenerationError(msg)
         prompt = torch.full((batch, 1), start, dtype=torch.long, device=model.device)
-        cache = _new_cache(model, batch, max_new_tokens + 1, encoder_length)
-        pin_for_model(cache, model, batch_size=batch, shapes=shapes, encoder_length=encoder_length, pool=pool)
+        cache = prepare_static_cache(
+            model, batch_size=batch, max_cache_len=max_new_tokens + 1, encoder_length=encoder_length, pool=pool
+        )
         step_inputs: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden), name: cache}
         if "attention_mask" in inputs:
             step_inputs["attention_mask"] = inputs["attention_mask"]
@@ -138,23 +137,12 @@ def _prefill(
     else:
         prompt = inputs["input_ids"]
         batch = int(prompt.shape[0])
-        cache = _new_cache(model, batch, int(prompt.shape[1]) + max_new_tokens, None)
-        pin_for_model(cache, model, batch_size=batch, shapes=shapes, pool=pool)
+        cache = prepare_static_cache(
+            model, batch_size=batch, max_cache_len=int(prompt.shape[1]) + max_new_tokens, pool=pool
+        )
         step_inputs = {name: cache}
         output = model(input_ids=prompt, use_cache=True, **step_inputs)
     return prompt, step_inputs, output.logits[:, -1].float()
-
-
-def _new_cache(model: PreTrainedModel, batch: int, max_cache_len: int, encoder_length: int | None) -> Any:
-    from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer  # noqa: PLC0415
-
-    decoder_config = model.config.get_text_config(decoder=True)
-    own = StaticCache(config=decoder_config, max_cache_len=max_cache_len)
-    if encoder_length is None:
-        return own
-    cross = StaticCache(config=decoder_config, max_cache_len=encoder_length)
-    cross.layers = [StaticLayer(max_cache_len=encoder_length) for _ in cross.layers]
-    return EncoderDecoderCache(own, cross)
 
 
 class _Noise:

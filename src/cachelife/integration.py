@@ -62,14 +62,20 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 
 def prepare_static_cache(
-    model: PreTrainedModel, *, batch_size: int, max_cache_len: int, encoder_length: int | None = None
+    model: PreTrainedModel,
+    *,
+    batch_size: int,
+    max_cache_len: int,
+    encoder_length: int | None = None,
+    pool: CachePool | None = None,
 ) -> StaticCache | EncoderDecoderCache:
     """A static cache for `model` in which every layer is pinned, on the model's device and dtype.
 
     Decoder-only models get a `StaticCache`; encoder-decoder models an `EncoderDecoderCache` whose
     cross-attention cache holds exactly `encoder_length` positions in every layer (full attention, whatever
     the decoder's self-attention layer types are). Pass it to `generate(..., past_key_values=cache)` (or
-    `cache=` from transformers 5.24) or to your own decoding loop.
+    `cache=` from transformers 5.24) or to your own decoding loop. With a `pool` (`pool_of(model)`), the
+    buffers of an earlier cache of the same shape are reused, at the same addresses.
     """
     _check_positive("batch_size", batch_size)
     _check_positive("max_cache_len", max_cache_len)
@@ -90,7 +96,7 @@ def prepare_static_cache(
         cross_cache = StaticCache(config=decoder_config, max_cache_len=encoder_length)
         cross_cache.layers = [StaticLayer(max_cache_len=encoder_length) for _ in shapes.cross_attention]
         cache = EncoderDecoderCache(self_cache, cross_cache)
-    pin_for_model(cache, model, batch_size=batch_size, shapes=shapes)
+    pin_for_model(cache, model, batch_size=batch_size, shapes=shapes, pool=pool)
     return cache
 
 
