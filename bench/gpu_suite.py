@@ -1,11 +1,15 @@
 """The whole GPU suite, in one command, for a CUDA machine with torch, pytest and attrs installed.
 
-    python3 bench/gpu_suite.py [--stages tests,health,probe,compile-cache] [--out DIR]
+    python3 bench/gpu_suite.py [--stages STAGE,STAGE/STAGE,...] [--out DIR]
 
-Runs the GPU tests (pytest -m gpu) against the image's transformers and every wheel in `.whl/`
-(`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once, and the
-other stages asked for. Writes `gpu-summary.json` (outcomes, recipe reports and CUDA-graph counters per
-version) and `gpu-logs.tar.gz` (every log) to --out (default: $OUT, else bench/results/gpu).
+Stages: tests (pytest -m gpu against the image's transformers and every wheel in `.whl/`
+(`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once), health,
+probe, compile-cache, and the benchmarks decode-loop, soak, decode and buckets (newest transformers; their
+JSON goes straight to --out). `/` separates tracks that run at the same time, one after the other within
+a track; with several GPUs, track i runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES), so the first track
+(put the timed benchmarks there) has a GPU of its own. Writes `gpu-summary.json`
+(outcomes, recipe reports and CUDA-graph counters per version; rewritten after every stage) and
+`gpu-logs.tar.gz` (every log) to --out (default: $OUT, else bench/results/gpu).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -50,9 +56,15 @@ def versions(work: Path) -> dict[str, str]:
     return found
 
 
+# The GPU of the track running in this thread ("" for all of them).
+_TRACK = threading.local()
+
+
 def environment(extra_path: str, **more: str) -> dict[str, str]:
-    paths = [p for p in (extra_path, str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **more}
+    paths = [p for p in (extra_path, str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p]
+    gpu: str = getattr(_TRACK, "gpu", "")
+    pinned = {"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **pinned, **more}
 
 
 def run_tests(found: dict[str, str], work: Path, workers: int) -> dict[str, Any]:
@@ -161,34 +173,46 @@ def health(found: dict[str, str], work: Path, processes: int, parallel: int, cas
 
 
 def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-small") -> dict[str, Any]:
-    """Test the hypothesis for the intermittent CUDA-graph skips: a compile-cache artifact made by a run whose
-    caches were not static (transformers as released), reused by a cachelife run of the same graphs.
+    """The root cause of the intermittent CUDA-graph skips, and its fix (cachelife.compile_cache).
 
-    Each scenario gets its own TORCHINDUCTOR_CACHE_DIR; the steps of a scenario run one after the other.
+    Each scenario runs its steps one after the other in fresh processes sharing one TORCHINDUCTOR_CACHE_DIR:
+    first torch alone (bench/static_key_repro.py), then the real recipe, where "without the namespace" runs
+    cachelife with its compile-cache tag switched off, as cachelife was before the fix.
     """
     version, path = list(found.items())[-1]
-    recipe = [sys.executable, "-m", "cachelife", "recipe", "--json", "--model", model, "--calls", "2"]
-    caches_off = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-    scenarios: dict[str, list[tuple[str, list[str], dict[str, str]]]] = {
-        "cachelife in a fresh cache dir": [("cachelife", [], {})],
-        "vanilla then cachelife, caches on": [("vanilla", ["--without-cachelife"], {}), ("cachelife", [], {})],
-        "vanilla then cachelife, caches off": [
-            ("vanilla", ["--without-cachelife"], caches_off),
-            ("cachelife", [], caches_off),
+    recipe = ["-m", "cachelife", "recipe", "--json", "--model", model, "--calls", "2"]
+    untagged = [
+        "-c",
+        "import runpy, sys, cachelife.compile_cache as c; c.TAG = ''; sys.argv[0] = 'cachelife'; "
+        "runpy.run_module('cachelife', run_name='__main__')",
+        *recipe[2:],
+    ]
+    repro = ["-m", "bench.static_key_repro", "--role"]
+    scenarios: dict[str, list[tuple[str, list[str]]]] = {
+        "torch alone: unmarked, static, static in cachelife's namespace": [
+            ("unmarked", [*repro, "unmarked"]),
+            ("static", [*repro, "static"]),
+            ("static in cachelife's namespace", [*repro, "static-in-cachelife-namespace"]),
         ],
-        "cachelife twice, caches on": [("cachelife", [], {}), ("cachelife again", [], {})],
+        "vanilla, then cachelife without the namespace": [
+            ("vanilla", [*recipe, "--without-cachelife"]),
+            ("cachelife without the namespace", untagged),
+        ],
+        "vanilla, then cachelife": [("vanilla", [*recipe, "--without-cachelife"]), ("cachelife", recipe)],
+        "cachelife twice": [("cachelife", recipe), ("cachelife again", recipe)],
     }
     outcomes: dict[str, list[dict[str, Any]]] = {}
     for index, (scenario, steps) in enumerate(scenarios.items()):
         cache_dir = work / f"inductor-cache-{index}"
-        for step, extra, env in steps:
-            log = work / f"cache-{index}-{step.replace(' ', '-')}.log"
+        for step, arguments in steps:
+            slug = "".join(c if c.isalnum() else "-" for c in step)
+            log = work / f"cache-{index}-{slug}.log"
             with log.open("w") as sink:
                 done = subprocess.run(
-                    recipe + extra,
+                    [sys.executable, *arguments],
                     stdout=sink,
                     stderr=subprocess.STDOUT,
-                    env=environment(path, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), **env),
+                    env=environment(path, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCH_LOGS="perf_hints"),
                     cwd=ROOT,
                     check=False,
                     timeout=600,
@@ -196,12 +220,16 @@ def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-smal
             text = log.read_text(errors="replace")
             lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
             record = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+            skips = record.get("cudagraph_skips")
+            if skips is None:
+                skips = [call["health"]["cudagraph_skips"] for call in record.get("calls", [])]
             outcomes.setdefault(scenario, []).append(
                 {
                     "step": step,
                     "returncode": done.returncode,
                     "ok": record.get("ok"),
-                    "cudagraph_skips": [call["health"]["cudagraph_skips"] for call in record.get("calls", [])],
+                    "cudagraph_skips": skips,
+                    "aot_autograd_cache": record.get("aot_autograd_cache"),
                     "skip_reason": next(
                         (line[:300] for line in text.splitlines() if "skipping cudagraphs" in line), None
                     ),
@@ -245,6 +273,47 @@ def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict
     return {"transformers": version, "processes": outcomes}
 
 
+BENCHES = {
+    "decode-loop": ["bench.decode_loop", "--device", "cuda"],
+    "soak": ["bench.soak", "--device", "cuda", "--compile", "--calls", "100"],
+    "decode": ["bench.decode", "--device", "cuda"],
+    "buckets": ["bench.buckets", "--device", "cuda"],
+}
+
+
+def run_bench(stage: str, found: dict[str, str], work: Path, out: Path) -> dict[str, Any]:
+    """One benchmark, with the newest transformers; it writes its own JSON to `out`."""
+    version, path = list(found.items())[-1]
+    log = work / f"bench-{stage}.log"
+    started = time.monotonic()
+    with log.open("w") as sink:
+        done = subprocess.run(
+            [sys.executable, "-m", *BENCHES[stage], "--out", str(out)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=environment(path),
+            cwd=ROOT,
+            check=False,
+        )
+    tail = log.read_text(errors="replace").splitlines()[-15:]
+    return {"transformers": version, "returncode": done.returncode, "seconds": time.monotonic() - started, "tail": tail}
+
+
+def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: argparse.Namespace) -> Any:
+    if stage == "tests":
+        return run_tests(found, work, args.workers)
+    if stage == "health":
+        return health(found, work, processes=5, parallel=10, cases=args.health_cases.split(","))
+    if stage == "probe":
+        return probe_hand_pinned(found, work, processes=5)
+    if stage == "compile-cache":
+        return compile_cache_skips(found, work)
+    if stage in BENCHES:
+        return run_bench(stage, found, work, out)
+    msg = f"unknown stage {stage!r}"
+    raise ValueError(msg)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", default="tests,health,probe")
@@ -254,34 +323,54 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stages = args.stages.split(",")
+    tracks = [track.split(",") for track in args.stages.split("/")]
+    gpus = torch.cuda.device_count()
     summary: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": gpus,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
+        "tracks": tracks,
+        "stage_seconds": {},
     }
+    lock = threading.Lock()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         found = versions(work)
         summary["transformers_versions"] = list(found)
-        if "tests" in stages:
-            summary["tests"] = run_tests(found, work, args.workers)
-        if "health" in stages:
-            summary["health"] = health(found, work, processes=5, parallel=10, cases=args.health_cases.split(","))
-        if "probe" in stages:
-            summary["probe"] = probe_hand_pinned(found, work, processes=5)
-        if "compile-cache" in stages:
-            summary["compile_cache_skips"] = compile_cache_skips(found, work)
-        (out / "gpu-summary.json").write_text(json.dumps(summary, indent=1))
-        with tarfile.open(out / "gpu-logs.tar.gz", "w:gz") as archive:
-            for path in sorted(work.glob("*.log")) + sorted(work.glob("*.jsonl")) + sorted(work.glob("*.xml")):
-                archive.add(path, arcname=path.name)
+
+        def write_summary() -> None:
+            (out / "gpu-summary.json").write_text(json.dumps(summary, indent=1))
+            with tarfile.open(out / "gpu-logs.tar.gz", "w:gz") as archive:
+                for path in sorted(work.glob("*.log")) + sorted(work.glob("*.jsonl")) + sorted(work.glob("*.xml")):
+                    archive.add(path, arcname=path.name)
+
+        def run_track(index: int, stages: list[str]) -> None:
+            _TRACK.gpu = str(min(index, gpus - 1)) if gpus > 1 and len(tracks) > 1 else ""
+            for stage in stages:
+                started = time.monotonic()
+                try:
+                    result = run_stage(stage, found, work, out, args)
+                except Exception as error:  # a broken stage is recorded; the others go on
+                    result = {"error": repr(error)}
+                with lock:
+                    summary[stage.replace("-", "_")] = result
+                    summary["stage_seconds"][stage] = round(time.monotonic() - started, 1)
+                    write_summary()
+
+        threads = [threading.Thread(target=run_track, args=(i, stages)) for i, stages in enumerate(tracks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        write_summary()
     for version, result in summary.get("tests", {}).items():
         counts: dict[str, int] = {}
         for status in result["tests"].values():
             counts[status] = counts.get(status, 0) + 1
         print(f"transformers {version}: pytest rc={result['pytest_returncode']} {counts}")
+    print("stage seconds:", summary["stage_seconds"])
     return 0
 
 

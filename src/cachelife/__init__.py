@@ -7,6 +7,7 @@ caches for your own loops; `lifecycle(cache)` shows and drives the states of any
 
 from cachelife.buffers import Buffers, PinSpec
 from cachelife.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
+from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import (
     CacheLifecycleError,
     CacheShapeError,
@@ -70,6 +71,7 @@ __all__ = [
     "lifecycle",
     "model_cache_shapes",
     "pin_for_model",
+    "pinned_compile_cache",
     "pool_of",
     "prepare_static_cache",
     "release_pool",

@@ -23,6 +23,7 @@ from attrs import frozen
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.integration import cache_argument_name, pool_of, prepare_static_cache
 
@@ -71,7 +72,7 @@ def decode(
     config = model.generation_config
     eos = _eos_ids(config.eos_token_id, model.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
-    with torch.no_grad():
+    with torch.no_grad(), pinned_compile_cache():
         prompt, step_inputs, first_logits = _prefill(model, inputs, max_new_tokens)
         batch = prompt.shape[0]
         noise = _Noise(generator if do_sample else None, batch, first_logits.shape[-1], model.device)

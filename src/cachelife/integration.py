@@ -18,6 +18,7 @@ dynamo traces, so they add no graph break, recompilation or host-device synchron
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ from cachelife.cache_lifecycle import (
     lifecycle,
     resolve_device,
 )
+from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
 from cachelife.pool import DEFAULT_BUDGET_BYTES, BufferSet, CachePool, pool_key
@@ -54,7 +56,7 @@ CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
 # Inputs whose first two dims are (batch, query length), in the order a decoder step reads them.
 _QUERY_INPUTS = ("decoder_input_ids", "input_ids", "decoder_inputs_embeds", "inputs_embeds")
 # Instance attributes `enable` sets; `disable` restores each exactly.
-_PATCHED = ("_prepare_cache_for_generation", "get_compiled_call")
+_PATCHED = ("generate", "_prepare_cache_for_generation", "get_compiled_call")
 _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 
@@ -232,7 +234,7 @@ class CacheLifecycleMixin:
 
 @define(eq=False)
 class _DecodingGuard:
-    """What `enable` installs on one model: two forward hooks and two wrapped methods."""
+    """What `enable` installs on one model: two forward hooks and three wrapped methods."""
 
     on_unpinned: OnUnpinned
     pool: CachePool | None
@@ -247,6 +249,11 @@ class _DecodingGuard:
         self._saved = {name: model.__dict__[name] for name in _PATCHED if name in model.__dict__}
         prepare_signature = inspect.signature(originals["_prepare_cache_for_generation"])
 
+        @functools.wraps(originals["generate"])
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            with pinned_compile_cache():
+                return originals["generate"](*args, **kwargs)
+
         def prepare_cache_for_generation(*args: Any, **kwargs: Any) -> Any:
             result = originals["_prepare_cache_for_generation"](*args, **kwargs)
             self.after_cache_preparation(model, prepare_signature.bind(*args, **kwargs).arguments)
@@ -256,6 +263,7 @@ class _DecodingGuard:
             compiled = originals["get_compiled_call"](*args, **kwargs)
             return self.guard_compiled_call(model, compiled)
 
+        model.__dict__["generate"] = generate
         model.__dict__["_prepare_cache_for_generation"] = prepare_cache_for_generation
         model.__dict__["get_compiled_call"] = get_compiled_call
         self._hooks = [
@@ -357,9 +365,9 @@ class _DecodingGuard:
         logger.warning(
             "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded (see torch's 'skipping "
             "cudagraphs due to ...' log line): those graphs run without CUDA graphs, correct but slow. cachelife's "
-            "caches are pinned and marked static; if the reason is 'mutated inputs', a compile-cache artifact "
-            "made by a run whose caches were not static is the suspect: run once with TORCHINDUCTOR_FX_GRAPH_CACHE=0 "
-            "and TORCHINDUCTOR_AUTOGRAD_CACHE=0, or with a fresh TORCHINDUCTOR_CACHE_DIR.",
+            "caches are pinned and marked static, and generate compiles in cachelife's own compile-cache "
+            "namespace; a loop of your own should run inside cachelife.pinned_compile_cache(). If the reason is "
+            "'mutated inputs' all the same, run once with a fresh TORCHINDUCTOR_CACHE_DIR.",
             skips - self._skips_seen,
             type(module).__name__,
         )
