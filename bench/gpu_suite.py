@@ -29,6 +29,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 import torch
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +59,12 @@ def versions(work: Path) -> dict[str, str]:
 
 # The GPU of the track running in this thread ("" for all of them).
 _TRACK = threading.local()
+
+
+def newest(found: dict[str, str]) -> tuple[str, str]:
+    """The newest transformers version found, and its PYTHONPATH entry."""
+    version = max(found, key=Version)
+    return version, found[version]
 
 
 def environment(extra_path: str, **more: str) -> dict[str, str]:
@@ -144,7 +151,7 @@ HEALTH_CASES = [
 
 def health(found: dict[str, str], work: Path, processes: int, parallel: int, cases: list[str]) -> dict[str, Any]:
     """The cachelife recipe in `processes` fresh processes per model and compile mode: skips, re-records."""
-    version, path = list(found.items())[-1]  # the newest carried transformers
+    version, path = newest(found)  # the newest carried transformers
     jobs = [(model, mode, index) for model, mode in (case.split(":") for case in cases) for index in range(processes)]
     outcomes: dict[str, list[dict[str, Any]]] = {}
     for start in range(0, len(jobs), parallel):
@@ -179,7 +186,7 @@ def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-smal
     first torch alone (bench/static_key_repro.py), then the real recipe, where "without the namespace" runs
     cachelife with its compile-cache tag switched off, as cachelife was before the fix.
     """
-    version, path = list(found.items())[-1]
+    version, path = newest(found)
     recipe = ["-m", "cachelife", "recipe", "--json", "--model", model, "--calls", "2"]
     untagged = [
         "-c",
@@ -283,7 +290,7 @@ BENCHES = {
 
 def run_bench(stage: str, found: dict[str, str], work: Path, out: Path) -> dict[str, Any]:
     """One benchmark, with the newest transformers; it writes its own JSON to `out`."""
-    version, path = list(found.items())[-1]
+    version, path = newest(found)
     log = work / f"bench-{stage}.log"
     started = time.monotonic()
     with log.open("w") as sink:
