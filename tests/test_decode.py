@@ -38,14 +38,28 @@ def test_greedy_eager_step_equals_generate(name: str) -> None:
         )
 
 
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_several_steps_per_call_give_the_same_tokens_for_any_length(name: str) -> None:
+    built = neutral(name)
+    inputs = built.inputs(2, 9, 1)
+    for tokens in (1, 2, 4, 5, 12):  # 11 steps after prefill: not a multiple of 3 or 4
+        reference = expected(built, inputs, tokens)
+        for steps in (3, 4):
+            out = decode(built.model, inputs, max_new_tokens=tokens, steps_per_call=steps, compile_step=False)
+            assert torch.equal(out, reference), (tokens, steps)
+
+
 def test_stops_where_generate_stops_when_every_sequence_ends() -> None:
     built = neutral("bart")  # the tiny BART ends both sequences after one token
     inputs = built.inputs(2, 9, 1)
     reference = expected(built, inputs, 20)
     assert reference.shape[1] < 21
     for every in (1, 3, 16):
-        out = decode(built.model, inputs, max_new_tokens=20, stop_check_every=every, compile_step=False)
-        assert torch.equal(out, reference)
+        for steps in (1, 4):
+            out = decode(
+                built.model, inputs, max_new_tokens=20, stop_check_every=every, steps_per_call=steps, compile_step=False
+            )
+            assert torch.equal(out, reference)
 
 
 def test_sequences_that_ended_are_padded_like_generate() -> None:
@@ -85,8 +99,10 @@ def test_settings_it_does_not_implement_are_refused() -> None:
     llama = neutral("llama")
     with pytest.raises(ValueError, match=r"sampling needs a seeded torch\.Generator"):
         decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=3, do_sample=True)
-    with pytest.raises(ValueError, match="max_new_tokens and stop_check_every must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens, stop_check_every and steps_per_call must be >= 1"):
         decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"must be >= 1, got 3, 16 and 0"):
+        decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=3, steps_per_call=0)
 
 
 @pytest.mark.slow
@@ -99,15 +115,16 @@ def test_compiled_step_equals_generate_and_eager_sampling(name: str) -> None:
     cachelife.enable(model)
     for _ in range(2):
         assert torch.equal(decode(model, inputs, max_new_tokens=12), expected(built, inputs, 12))
+    assert torch.equal(decode(model, inputs, max_new_tokens=12, steps_per_call=2), expected(built, inputs, 12))
     pool = cachelife.pool_of(model)
     assert pool is not None
-    assert pool.hits == 1  # the second call decoded on the first call's buffers
+    assert pool.hits == 1  # the second call decoded on the first call's buffers (the third's are longer)
 
     def sample(compile_step: bool) -> torch.Tensor:
         generator = torch.Generator().manual_seed(7)
         return decode(
             model, inputs, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, generator=generator,
-            compile_step=compile_step,
+            steps_per_call=2, compile_step=compile_step,
         )  # fmt: skip
 
     assert torch.equal(sample(True), sample(False))

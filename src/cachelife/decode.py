@@ -2,7 +2,9 @@
 
 `decode(model, inputs, max_new_tokens=...)` runs prefill eagerly, then one compiled step per token that
 includes token selection (greedy, or sampling from a seeded `torch.Generator`) and end-of-sequence
-bookkeeping, on pinned caches created before anything compiled runs. The host reads nothing from the device
+bookkeeping, on pinned caches created before anything compiled runs. `steps_per_call=n` compiles n steps
+into one graph, so the host's fixed cost per graph call (guards, CUDA-graph input checks, one launch) is
+paid once every n tokens; the cache then holds up to n - 1 more positions, decoded and dropped. The host reads nothing from the device
 while decoding, except every `stop_check_every` steps to see whether every sequence has ended. It returns
 what `generate` returns by default: the decoder's tokens (encoder-decoder), or prompt and new tokens
 (decoder-only), padded after each sequence's end-of-sequence token.
@@ -59,12 +61,16 @@ def decode(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     stop_check_every: int = 16,
+    steps_per_call: int = 1,
     compile_step: bool = True,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` tokens; see the module docstring."""
     _check_generation_config(model)
-    if max_new_tokens < 1 or stop_check_every < 1:
-        msg = f"max_new_tokens and stop_check_every must be >= 1, got {max_new_tokens} and {stop_check_every}"
+    if min(max_new_tokens, stop_check_every, steps_per_call) < 1:
+        msg = (
+            "max_new_tokens, stop_check_every and steps_per_call must be >= 1, got "
+            f"{max_new_tokens}, {stop_check_every} and {steps_per_call}"
+        )
         raise ValueError(msg)
     if do_sample and generator is None:
         msg = "sampling needs a seeded torch.Generator on the model's device (generator=...)"
@@ -72,23 +78,32 @@ def decode(
     config = model.generation_config
     eos = _eos_ids(config.eos_token_id, model.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+    # The first token comes from prefill, the rest in whole calls of `steps_per_call` steps; tokens past
+    # max_new_tokens are decoded (the cache holds them) and dropped.
+    calls = -(-(max_new_tokens - 1) // steps_per_call)
     with torch.no_grad(), pinned_compile_cache():
-        prompt, step_inputs, first_logits = _prefill(model, inputs, max_new_tokens)
+        prompt, step_inputs, first_logits = _prefill(model, inputs, 1 + calls * steps_per_call)
         batch = prompt.shape[0]
-        noise = _Noise(generator if do_sample else None, batch, first_logits.shape[-1], model.device)
+        noise = _Noise(generator if do_sample else None, steps_per_call, batch, first_logits.shape[-1], model.device)
         how = _Selection(do_sample, temperature, top_k, eos, pad)
-        step = _compiled_step(model) if compile_step else _decode_one_token
+        step = _compiled_steps(model) if compile_step else _decode_n_tokens
         finished = torch.zeros(batch, 1, dtype=torch.bool, device=model.device)
-        token, finished = _select(first_logits, noise.next(), finished, how)
-        tokens = [token]
-        while len(tokens) < max_new_tokens:
-            if len(tokens) % stop_check_every == 0 and eos.numel() and bool(finished.all()):
-                break
-            token, finished = step(model, token, finished, noise.next(), how=how, step_inputs=step_inputs)
+        token, finished = _select(first_logits, noise.next()[0], finished, how)
+        tokens, produced, checked_at = [token], 1, 0
+        while produced < max_new_tokens:
+            if produced - checked_at >= stop_check_every and eos.numel():
+                checked_at = produced
+                if bool(finished.all()):
+                    break
+            new, finished = step(
+                model, token, finished, noise.next(), how=how, step_inputs=step_inputs, steps=steps_per_call
+            )
             # CUDA-graph outputs are overwritten by the next replay: keep copies.
-            token, finished = token.clone(), finished.clone()
-            tokens.append(token)
-    new = torch.cat(tokens, dim=1)
+            new, finished = new.clone(), finished.clone()
+            token = new[:, -1:]
+            tokens.append(new)
+            produced += steps_per_call
+    new = torch.cat(tokens, dim=1)[:, :max_new_tokens]
     return torch.cat([prompt, _trim_after_all_ended(new, eos)], dim=1)
 
 
@@ -109,9 +124,10 @@ def _eos_ids(value: object, device: torch.device) -> torch.Tensor:
 
 
 def _prefill(
-    model: PreTrainedModel, inputs: dict[str, torch.Tensor], max_new_tokens: int
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], new_tokens: int
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
-    """Eager prefill: the prompt (or decoder start), the fixed step inputs, and the first logits."""
+    """Eager prefill on a cache for `new_tokens` more tokens: the prompt (or decoder start), the fixed step
+    inputs, and the first logits."""
     name = cache_argument_name(model)
     pool = pool_of(model)
     if model.config.is_encoder_decoder:
@@ -126,7 +142,7 @@ def _prefill(
             raise UnsupportedGenerationError(msg)
         prompt = torch.full((batch, 1), start, dtype=torch.long, device=model.device)
         cache = prepare_static_cache(
-            model, batch_size=batch, max_cache_len=max_new_tokens + 1, encoder_length=encoder_length, pool=pool
+            model, batch_size=batch, max_cache_len=new_tokens + 1, encoder_length=encoder_length, pool=pool
         )
         step_inputs: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden), name: cache}
         if "attention_mask" in inputs:
@@ -139,7 +155,7 @@ def _prefill(
         prompt = inputs["input_ids"]
         batch = int(prompt.shape[0])
         cache = prepare_static_cache(
-            model, batch_size=batch, max_cache_len=int(prompt.shape[1]) + max_new_tokens, pool=pool
+            model, batch_size=batch, max_cache_len=int(prompt.shape[1]) + new_tokens, pool=pool
         )
         step_inputs = {name: cache}
         output = model(input_ids=prompt, use_cache=True, **step_inputs)
@@ -147,12 +163,14 @@ def _prefill(
 
 
 class _Noise:
-    """Per-step exponential noise from the caller's generator, written in place into one static buffer
-    (ones, unused, for greedy search)."""
+    """Exponential noise for the steps of one call, from the caller's generator, written in place into one
+    static buffer (ones, unused, for greedy search)."""
 
-    def __init__(self, generator: torch.Generator | None, batch: int, vocab: int, device: torch.device) -> None:
+    def __init__(
+        self, generator: torch.Generator | None, steps: int, batch: int, vocab: int, device: torch.device
+    ) -> None:
         self.generator = generator
-        self.buffer = torch.ones(batch, vocab, device=device)
+        self.buffer = torch.ones(steps, batch, vocab, device=device)
         torch._dynamo.mark_static_address(self.buffer)
 
     def next(self) -> torch.Tensor:
@@ -206,12 +224,32 @@ def _decode_one_token(
     return _select(output.logits[:, -1].float(), noise, finished, how)
 
 
-def _compiled_step(model: PreTrainedModel) -> StepFunction:
-    """The compiled step of this model (CUDA graphs on a GPU, inductor elsewhere), compiled once."""
+def _decode_n_tokens(
+    model: PreTrainedModel,
+    token: torch.Tensor,
+    finished: torch.Tensor,
+    noise: torch.Tensor,
+    *,
+    how: _Selection,
+    step_inputs: dict[str, Any],
+    steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` decoding steps in a row (the function that gets compiled): one graph launch, and one pass of
+    the host over guards and graph inputs, for all of them."""
+    new = []
+    for index in range(steps):
+        token, finished = _decode_one_token(model, token, finished, noise[index], how=how, step_inputs=step_inputs)
+        new.append(token)
+    return torch.cat(new, dim=1), finished
+
+
+def _compiled_steps(model: PreTrainedModel) -> StepFunction:
+    """The compiled steps of this model (CUDA graphs on a GPU, inductor elsewhere), compiled once per
+    `steps`."""
     compiled = _COMPILED.get(model)
     if compiled is None:
         mode = "reduce-overhead" if model.device.type == "cuda" else "default"
-        compiled = torch.compile(_decode_one_token, mode=mode, fullgraph=True)
+        compiled = torch.compile(_decode_n_tokens, mode=mode, fullgraph=True)
         _COMPILED[model] = compiled
     return compiled
 
