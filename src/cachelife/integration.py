@@ -38,11 +38,11 @@ from cachelife.cache_lifecycle import (
     is_managed_cache,
     is_static_cache,
     lifecycle,
-    resolve_device,
 )
 from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
+from cachelife.placement import cache_layer_devices
 from cachelife.pool import DEFAULT_BUDGET_BYTES, BufferSet, CachePool, pool_key
 from cachelife.shapes import CacheShapes, model_cache_shapes
 
@@ -71,7 +71,8 @@ def prepare_static_cache(
     encoder_length: int | None = None,
     pool: CachePool | None = None,
 ) -> StaticCache | EncoderDecoderCache:
-    """A static cache for `model` in which every layer is pinned, on the model's device and dtype.
+    """A static cache for `model` in which every layer is pinned, in the model's dtype, each layer on the
+    device of the decoder layer that writes it (the model's device unless it is spread over several).
 
     Decoder-only models get a `StaticCache`; encoder-decoder models an `EncoderDecoderCache` whose
     cross-attention cache holds exactly `encoder_length` positions in every layer (full attention, whatever
@@ -111,7 +112,7 @@ def pin_for_model(
     encoder_length: int | None = None,
     pool: CachePool | None = None,
 ) -> CacheLifecycle:
-    """Pin every unpinned layer of `cache` for `model`'s shapes, dtype and device.
+    """Pin every unpinned layer of `cache` for `model`'s shapes and dtype, each on its decoder layer's device.
 
     Cross-attention layers that are not yet allocated and are not full attention over `encoder_length`
     positions (transformers sizes them with the decoder's sliding windows) are replaced by full-attention
@@ -123,7 +124,8 @@ def pin_for_model(
     if encoder_length is not None and is_encoder_decoder_cache(cache):
         _make_cross_full_attention(cache, encoder_length)
     state = lifecycle(cache)
-    specs = state.specs_for(batch_size=batch_size, shapes=shapes, dtype=model.dtype, device=model.device)
+    devices = cache_layer_devices(model, len(shapes.self_attention), len(shapes.cross_attention))
+    specs = state.specs_for(batch_size=batch_size, shapes=shapes, dtype=model.dtype, device=devices)
     if pool is None or not all(isinstance(layer.state, Unallocated) for layer in state.layers):
         state.pin_specs(specs)
         return state
@@ -467,7 +469,6 @@ def _check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mapp
     """Before a cache's first forward call: its buffers must fit this model and this call (host facts only)."""
     batch_size = _batch_size(kwargs)
     query_length = _query_length(kwargs)
-    device = resolve_device(model.device)
     shapes = model_cache_shapes(model)
     expected = [*shapes.self_attention, *shapes.cross_attention]
     if len(expected) != len(state.layers):
@@ -477,7 +478,8 @@ def _check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mapp
             f"{len(shapes.cross_attention)}: is it a cache of another model?"
         )
         raise CacheShapeError(msg)
-    for layer, shape in zip(state.layers, expected, strict=True):
+    devices = cache_layer_devices(model, len(shapes.self_attention), len(shapes.cross_attention))
+    for layer, shape, device in zip(state.layers, expected, devices, strict=True):
         current = layer.state
         if not isinstance(current, Pinned | Filled):
             continue
@@ -499,7 +501,9 @@ def _check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mapp
                 f"{shape.key_head_dim}/{shape.value_head_dim}: is it a cache of another model?"
             )
         if have.dtype != model.dtype or have.device != device:
-            problems.append(f"it holds {have.dtype} on {have.device} but the model computes {model.dtype} on {device}")
+            problems.append(
+                f"it holds {have.dtype} on {have.device} but the model computes {model.dtype} on {device} there"
+            )
         if (
             layer.role == "self"
             and isinstance(current, Pinned)

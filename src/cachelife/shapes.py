@@ -7,7 +7,8 @@ separately, per decoder layer.
 Model authors declare shapes by giving their model class a `cachelife_cache_shapes()` method (the
 `DeclaresCacheShapes` protocol); that wins over inference. Otherwise `infer_cache_shapes` reads the config
 with the rule of the model's family (`FAMILY_RULES`, keyed by `config.model_type`), falling back to the
-decoder-only rule for models without an encoder.
+decoder-only rule for models without an encoder. Under transformers' tensor parallelism, inferred head
+counts are those of one rank (`per_rank_shapes`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,66 @@ def model_cache_shapes(model: object) -> CacheShapes:
     if not isinstance(config, PreTrainedConfig):
         msg = f"cannot infer cache shapes of a {type(model).__name__}: it has no transformers config"
         raise UnsupportedCacheError(msg)
-    return infer_cache_shapes(config)
+    shapes = infer_cache_shapes(config)
+    ranks = tensor_parallel_size(model)
+    if ranks > 1 and shards_key_heads(model):
+        return per_rank_shapes(shapes, ranks, who=type(model).__name__)
+    return shapes
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------------
+
+# Projections whose output holds the attention keys, fused or not: a column-wise split of one of them
+# splits the key/value heads over the ranks (transformers' own rule for early cache initialisation).
+_KEY_PROJECTIONS: Final = ("k_proj", "qkv_proj", "query_key_value")
+# Column-wise styles whose output stays split over the ranks (not `colwise_rep`, `colwise_gather_output`).
+_SPLITTING_STYLES: Final = ("colwise", "local_colwise", "packed_colwise")
+
+
+def tensor_parallel_size(model: object) -> int:
+    """How many ranks share the model's heads under transformers' tensor parallelism (`from_pretrained(...,
+    tp_plan="auto")` under torchrun sets `model._tp_size`); 1 without it."""
+    size = getattr(model, "_tp_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+        return size
+    return 1
+
+
+def shards_key_heads(model: object) -> bool:
+    """Whether the model's tensor-parallel plan splits a key projection column-wise, so that each rank's
+    attention writes only its share of the key/value heads into its cache."""
+    plan = getattr(model, "_tp_plan", None)
+    if not isinstance(plan, Mapping):
+        return False
+    return any(
+        str(key).rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style in _SPLITTING_STYLES for key, style in plan.items()
+    )
+
+
+def per_rank_shapes(shapes: CacheShapes, ranks: int, *, who: str = "the model") -> CacheShapes:
+    """The shapes one of `ranks` tensor-parallel ranks holds: every layer's key/value heads split evenly.
+
+    Raises `UnsupportedCacheError` naming the first layer whose head count `ranks` does not divide.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        msg = f"the tensor-parallel size must be a positive int, got {ranks!r}"
+        raise CacheShapeError(msg)
+
+    def split(layers: tuple[LayerShape, ...], role: str) -> tuple[LayerShape, ...]:
+        for index, shape in enumerate(layers):
+            if shape.num_kv_heads % ranks:
+                msg = (
+                    f"layer {index} ({role}-attention) of {who} has {shape.num_kv_heads} key/value heads, which "
+                    f"{ranks} tensor-parallel ranks cannot share evenly (each rank's cache holds heads / ranks); "
+                    "use a tensor-parallel size that divides num_key_value_heads, or declare per-rank shapes "
+                    "with a cachelife_cache_shapes() method"
+                )
+                raise UnsupportedCacheError(msg)
+        return tuple(
+            LayerShape(shape.num_kv_heads // ranks, shape.key_head_dim, shape.value_head_dim) for shape in layers
+        )
+
+    return CacheShapes(split(shapes.self_attention, "self"), split(shapes.cross_attention, "cross"))
 
 
 def infer_cache_shapes(config: PreTrainedConfig) -> CacheShapes:

@@ -7,6 +7,7 @@ from transformers.cache_utils import (
     StaticCache as StaticCache,
 )
 from transformers.configuration_utils import PreTrainedConfig as PreTrainedConfig
+from transformers.distributed import DistributedConfig as DistributedConfig
 from transformers.generation.configuration_utils import (
     CompileConfig as CompileConfig,
     GenerationConfig as GenerationConfig,
