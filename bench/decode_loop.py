@@ -1,10 +1,11 @@
 """cachelife's decode loop against `generate` with a compiled forward, and against the GPU kernel-time floor.
 
     python -m bench.decode_loop [--device cuda|cpu] [--model t5-small] [--dtypes float32,bfloat16]
+                                [--steps-per-call 1,4]
 
 For each dtype, in one process and on the same inputs (batch 4, encoder or prompt length 48):
-- the marginal wall time per step of `cachelife.decode` and of `generate` with cachelife and a compiled
-  forward ((time for 192 new tokens - time for 64) / 128, best of 3);
+- the marginal wall time per step of `cachelife.decode` (for each `steps_per_call`) and of `generate` with
+  cachelife and a compiled forward ((time for 192 new tokens - time for 64) / 128, best of 3);
 - on CUDA, the GPU kernel time per step of the decode loop, measured the same way with torch.profiler
   (kernel time of a 192-token run minus that of a 64-token run, over 128), and wall / kernel;
 - whether the loop's tokens equal eager `generate` (float32) or `generate` with the same compiled forward
@@ -70,7 +71,7 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return int(differs[0]) if differs.numel() else width
 
 
-def measure(name: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call: list[int]) -> dict[str, Any]:
     torch._dynamo.reset()
     built = zoo.build(name, device=device, dtype=dtype)
     model = built.model
@@ -79,13 +80,6 @@ def measure(name: str, device: torch.device, dtype: torch.dtype) -> dict[str, An
     inputs = built.inputs(BATCH, LENGTH, 1)
     eager = zoo.generate_tokens(model, inputs, do_sample=False, max_new_tokens=LONG)
     cachelife.enable(model)
-
-    def loop(tokens: int) -> torch.Tensor:
-        return decode(model, inputs, max_new_tokens=tokens)
-
-    compile_s, tokens = wall(device, lambda: loop(LONG))
-    loop_ms = marginal_ms(device, loop)
-    loop_kernel_ms = kernel_ms(device, loop)
 
     compiled = zoo.build(name, device=device, dtype=dtype).model
     compiled.generation_config.forced_eos_token_id = None
@@ -102,16 +96,31 @@ def measure(name: str, device: torch.device, dtype: torch.dtype) -> dict[str, An
     _, generated = wall(device, lambda: generate(LONG))
     generate_ms = marginal_ms(device, generate)
     reference = eager if dtype == torch.float32 else generated
+    loops = []
+    for steps in steps_per_call:
+
+        def loop(tokens: int, steps: int = steps) -> torch.Tensor:
+            return decode(model, inputs, max_new_tokens=tokens, steps_per_call=steps)
+
+        compile_s, tokens = wall(device, lambda: loop(LONG))
+        loop_ms = marginal_ms(device, loop)
+        loop_kernel_ms = kernel_ms(device, loop)
+        loops.append(
+            {
+                "steps_per_call": steps,
+                "loop_first_call_s": round(compile_s, 3),
+                "loop_ms_per_step": round(loop_ms, 4),
+                "loop_kernel_ms_per_step": None if loop_kernel_ms is None else round(loop_kernel_ms, 4),
+                "loop_wall_over_kernel": None if not loop_kernel_ms else round(loop_ms / loop_kernel_ms, 3),
+                "speedup_over_generate": round(generate_ms / loop_ms, 3),
+                "first_divergence": first_divergence(tokens, reference),
+            }
+        )
     return {
         "dtype": str(dtype).removeprefix("torch."),
-        "loop_first_call_s": round(compile_s, 3),
-        "loop_ms_per_step": round(loop_ms, 4),
-        "loop_kernel_ms_per_step": None if loop_kernel_ms is None else round(loop_kernel_ms, 4),
-        "loop_wall_over_kernel": None if not loop_kernel_ms else round(loop_ms / loop_kernel_ms, 3),
         "generate_compiled_forward_ms_per_step": round(generate_ms, 4),
-        "speedup_over_generate": round(generate_ms / loop_ms, 3),
         "compared_with": "eager generate" if dtype == torch.float32 else "generate with the same compiled forward",
-        "first_divergence": first_divergence(tokens, reference),
+        "loops": loops,
     }
 
 
@@ -120,8 +129,10 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="t5-small")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--steps-per-call", default="1,4", help="cachelife.decode's steps_per_call values")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
+    steps = [int(value) for value in args.steps_per_call.split(",")]
     device = resolve_device(args.device)
     record: dict[str, Any] = {
         **header("decode-loop", device),
@@ -130,7 +141,7 @@ def main() -> int:
     }
     path = results_path(args.out, "decode-loop", device)
     for dtype in args.dtypes.split(","):
-        record["results"].append(measure(args.model, device, getattr(torch, dtype)))
+        record["results"].append(measure(args.model, device, getattr(torch, dtype), steps))
         path.write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps(record["results"][-1]), flush=True)
     print(f"wrote {path}")

@@ -4,18 +4,22 @@
 
 Stages: tests (pytest -m gpu against the image's transformers and every wheel in `.whl/`
 (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once), health,
-probe, compile-cache, and the benchmarks decode-loop, soak, decode and buckets (newest transformers; their
-JSON goes straight to --out). `/` separates tracks that run at the same time, one after the other within
-a track; with several GPUs, track i runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES), so the first track
-(put the timed benchmarks there) has a GPU of its own. Writes `gpu-summary.json`
-(outcomes, recipe reports and CUDA-graph counters per version; rewritten after every stage) and
-`gpu-logs.tar.gz` (every log) to --out (default: $OUT, else bench/results/gpu).
+probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
+under torchrun on the newest), and the benchmarks decode-loop, soak, decode and buckets (newest
+transformers; their JSON goes straight to --out).
+
+`/` separates tracks that run at the same time, one after the other within a track; with several GPUs,
+track i runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first
+track (put the timed benchmarks there) has a GPU of its own. Writes `gpu-summary.json` (outcomes, recipe
+reports and CUDA-graph counters per version; rewritten after every stage) and `gpu-logs.tar.gz` (every
+log) to --out (default: $OUT, else bench/results/gpu).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -24,6 +28,7 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -67,10 +72,10 @@ def newest(found: dict[str, str]) -> tuple[str, str]:
     return version, found[version]
 
 
-def environment(extra_path: str, **more: str) -> dict[str, str]:
+def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dict[str, str]:
     paths = [p for p in (extra_path, str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p]
     gpu: str = getattr(_TRACK, "gpu", "")
-    pinned = {"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}
+    pinned = {"CUDA_VISIBLE_DEVICES": gpu} if gpu and not every_gpu else {}
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **pinned, **more}
 
 
@@ -150,8 +155,20 @@ HEALTH_CASES = [
 
 
 def health(found: dict[str, str], work: Path, processes: int, parallel: int, cases: list[str]) -> dict[str, Any]:
-    """The cachelife recipe in `processes` fresh processes per model and compile mode: skips, re-records."""
+    """The cachelife recipe in `processes` fresh processes per model and compile mode: skips, re-records.
+
+    First, transformers' recipe as released runs once per model, so the compile caches the cachelife
+    processes share hold entries compiled over unpinned caches, as on any machine that ran it.
+    """
     version, path = newest(found)  # the newest carried transformers
+    models = sorted({case.split(":")[0] for case in cases})
+    seeding = []
+    for model in models:
+        log = work / f"health-vanilla-{model}.log"
+        command = [sys.executable, "-m", "cachelife", "recipe", "--json", "--model", model, "--without-cachelife"]
+        sink, env = log.open("w"), environment(path)
+        seeding.append(subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    vanilla = {model: process.wait() for model, process in zip(models, seeding, strict=True)}
     jobs = [(model, mode, index) for model, mode in (case.split(":") for case in cases) for index in range(processes)]
     outcomes: dict[str, list[dict[str, Any]]] = {}
     for start in range(0, len(jobs), parallel):
@@ -176,7 +193,12 @@ def health(found: dict[str, str], work: Path, processes: int, parallel: int, cas
                     "graphs": [call["health"]["graphs"] for call in record.get("calls", [])],
                 }
             )
-    return {"transformers": version, "processes_per_case": processes, "cases": outcomes}
+    return {
+        "transformers": version,
+        "vanilla_first_returncodes": vanilla,
+        "processes_per_case": processes,
+        "cases": outcomes,
+    }
 
 
 def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-small") -> dict[str, Any]:
@@ -306,19 +328,52 @@ def run_bench(stage: str, found: dict[str, str], work: Path, out: Path) -> dict[
     return {"transformers": version, "returncode": done.returncode, "seconds": time.monotonic() - started, "tail": tail}
 
 
+def multidevice(found: dict[str, str], work: Path) -> dict[str, Any]:
+    """The two-GPU device_map tests (tests/test_multidevice.py, gpu marker) on every transformers version."""
+    results: dict[str, Any] = {}
+    for version, path in found.items():
+        junit = work / f"junit-multidevice-{version}.xml"
+        log = work / f"pytest-multidevice-{version}.log"
+        command = [
+            sys.executable, "-m", "pytest", "-m", "gpu", "-k", "not tensor_parallel", "-p", "no:cacheprovider",
+            "-p", "no:benchmark", "-rA", "-s", f"--junitxml={junit}", str(ROOT / "tests" / "test_multidevice.py"),
+        ]  # fmt: skip
+        with log.open("w") as sink:
+            env = environment(path, every_gpu=True)
+            done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
+        skips = [line for line in log.read_text(errors="replace").splitlines() if "CUDA-graph skips" in line]
+        results[version] = {"pytest_returncode": done.returncode, "tests": junit_outcomes(junit), "printed": skips}
+    return results
+
+
+def tensor_parallel(found: dict[str, str], work: Path, out: Path) -> dict[str, Any]:
+    """bench/tp_check.py under torchrun on two GPUs, newest transformers; writes tp-check.json to `out`."""
+    version, path = newest(found)
+    log = work / "tp-check.log"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "bench" / "tp_check.py"), "--out", str(out), "--device", "cuda"]  # fmt: skip
+    with log.open("w") as sink:
+        env = environment(path, every_gpu=True)
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
+    result_file = out / "tp-check.json"
+    result = json.loads(result_file.read_text()) if result_file.exists() else None
+    return {"transformers": version, "returncode": done.returncode, "result": result}
+
+
 def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: argparse.Namespace) -> Any:
-    if stage == "tests":
-        return run_tests(found, work, args.workers)
-    if stage == "health":
-        return health(found, work, processes=5, parallel=10, cases=args.health_cases.split(","))
-    if stage == "probe":
-        return probe_hand_pinned(found, work, processes=5)
-    if stage == "compile-cache":
-        return compile_cache_skips(found, work)
-    if stage in BENCHES:
-        return run_bench(stage, found, work, out)
-    msg = f"unknown stage {stage!r}"
-    raise ValueError(msg)
+    stages: dict[str, Callable[[], Any]] = {
+        "tests": lambda: run_tests(found, work, args.workers),
+        "health": lambda: health(found, work, 5, args.health_parallel, args.health_cases.split(",")),
+        "probe": lambda: probe_hand_pinned(found, work, processes=5),
+        "compile-cache": lambda: compile_cache_skips(found, work),
+        "multidevice": lambda: multidevice(found, work),
+        "tp": lambda: tensor_parallel(found, work, out),
+        **{name: functools.partial(run_bench, name, found, work, out) for name in BENCHES},
+    }
+    if stage not in stages:
+        msg = f"unknown stage {stage!r}; known: {', '.join(stages)}"
+        raise ValueError(msg)
+    return stages[stage]()
 
 
 def main() -> int:
@@ -327,6 +382,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
     parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
+    parser.add_argument("--health-parallel", type=int, default=10, help="health processes at a time")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
