@@ -354,10 +354,16 @@ def tensor_parallel(found: dict[str, str], work: Path, out: Path) -> dict[str, A
                str(ROOT / "bench" / "tp_check.py"), "--out", str(out), "--device", "cuda"]  # fmt: skip
     with log.open("w") as sink:
         env = environment(path, every_gpu=True)
-        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False)
+        try:
+            done = subprocess.run(
+                command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False, timeout=300
+            )
+            returncode: int | str = done.returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timed out after 300 s"
     result_file = out / "tp-check.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else None
-    return {"transformers": version, "returncode": done.returncode, "result": result}
+    return {"transformers": version, "returncode": returncode, "result": result}
 
 
 def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: argparse.Namespace) -> Any:
