@@ -12,10 +12,12 @@ from cachelife.errors import (
     CacheShapeError,
     CompiledRegionError,
     IllegalTransitionError,
+    InvalidBucketsError,
     ReplacedBuffersError,
     UnmarkedBuffersError,
     UnpinnedCacheError,
     UnsupportedCacheError,
+    UnsupportedGenerationError,
 )
 from cachelife.integration import (
     CacheLifecycleMixin,
@@ -48,6 +50,7 @@ __all__ = [
     "FillRecord",
     "Filled",
     "IllegalTransitionError",
+    "InvalidBucketsError",
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
@@ -58,6 +61,7 @@ __all__ = [
     "UnmarkedBuffersError",
     "UnpinnedCacheError",
     "UnsupportedCacheError",
+    "UnsupportedGenerationError",
     "__version__",
     "configure_from_environment",
     "disable",
