@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from cachelife import zoo
 from cachelife.buckets import BUCKETABLE_MODEL_TYPES, bucket_length, check_buckets
+from cachelife.decode import decode
 from cachelife.errors import InvalidBucketsError, UnsupportedGenerationError
 from cachelife.integration import find_cache
 
@@ -342,6 +343,44 @@ def test_disable_restores_the_model_exactly_and_stops_padding() -> None:
     assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS, cache_implementation="static"), expected)
     handle.remove()
     assert set(seen) == {5}
+
+
+# -- the decode loop ---------------------------------------------------------------------------------------
+
+
+def decode_expected(model: PreTrainedModel, inputs: zoo.Inputs, tokens: int) -> torch.Tensor:
+    return zoo.generate_tokens(model, inputs, do_sample=False, max_new_tokens=tokens, disable_compile=True)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_decode_loop_with_buckets_equals_generate(name: str) -> None:
+    built = zoo.build(name)
+    model = built.model
+    model.generation_config.forced_eos_token_id = None  # BART's default; decode refuses it
+    cases = [ragged(built, 3, length, length) for length in (3, 8, 9)]
+    expected = [decode_expected(model, inputs, 7) for inputs in cases]
+    cachelife.enable(model)
+    seen = SeenByForward(model)
+    for inputs, tokens in zip(cases, expected, strict=True):
+        out = decode(model, inputs, max_new_tokens=7, compile_step=False, encoder_buckets=BUCKETS)
+        assert torch.equal(out, tokens)
+    assert [(length, mask, capacities) for length, mask, capacities in seen.calls] == [
+        (8, (3, 8), {8}),
+        (8, (3, 8), {8}),
+        (16, (3, 16), {16}),
+    ]
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert pool.hits == 1  # lengths 3 and 8 decoded on the same pinned buffers
+
+
+def test_decode_loop_refuses_buckets_it_cannot_pad_safely() -> None:
+    whisper = zoo.build("whisper")
+    with pytest.raises(UnsupportedGenerationError, match="Whisper's decoder takes no encoder attention mask"):
+        decode(whisper.model, whisper.inputs(1, 0, 1), max_new_tokens=2, encoder_buckets=(64,))
+    t5 = zoo.build("t5")
+    with pytest.raises(InvalidBucketsError, match=r"got \(16, 8\) \(8 follows 16\)"):
+        decode(t5.model, t5.inputs(1, 5, 1), max_new_tokens=2, encoder_buckets=(16, 8))
 
 
 # -- compiled ----------------------------------------------------------------------------------------------

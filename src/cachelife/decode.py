@@ -10,12 +10,16 @@ what `generate` returns by default: the decoder's tokens (encoder-decoder), or p
 It implements greedy search and plain sampling (temperature, top-k) only. A model whose generation config
 asks for more (forced or suppressed tokens, repetition penalties, minimum lengths, ...) is refused with
 `UnsupportedGenerationError` instead of decoding differently from `generate`. Prompts must not be padded.
+
+`encoder_buckets=(64, 128, ...)` pads the encoder output and its attention mask to the smallest bucket that
+fits before the cache is pinned (`cachelife.buckets`), so that encoder lengths within one bucket share one
+cross-attention cache shape and one compiled step.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ from attrs import frozen
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_encoder_states
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.integration import cache_argument_name, pool_of, prepare_static_cache
 
@@ -59,9 +64,13 @@ def decode(
     generator: torch.Generator | None = None,
     stop_check_every: int = 16,
     compile_step: bool = True,
+    encoder_buckets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` tokens; see the module docstring."""
     _check_generation_config(model)
+    buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
+    if buckets is not None:
+        check_bucketable(model)
     if max_new_tokens < 1 or stop_check_every < 1:
         msg = f"max_new_tokens and stop_check_every must be >= 1, got {max_new_tokens} and {stop_check_every}"
         raise ValueError(msg)
@@ -72,7 +81,7 @@ def decode(
     eos = _eos_ids(config.eos_token_id, model.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
     with torch.no_grad():
-        prompt, step_inputs, first_logits = _prefill(model, inputs, max_new_tokens)
+        prompt, step_inputs, first_logits = _prefill(model, inputs, max_new_tokens, buckets)
         batch = prompt.shape[0]
         noise = _Noise(generator if do_sample else None, batch, first_logits.shape[-1], model.device)
         how = _Selection(do_sample, temperature, top_k, eos, pad)
@@ -108,14 +117,17 @@ def _eos_ids(value: object, device: torch.device) -> torch.Tensor:
 
 
 def _prefill(
-    model: PreTrainedModel, inputs: dict[str, torch.Tensor], max_new_tokens: int
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], max_new_tokens: int, buckets: Buckets | None
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
     """Eager prefill: the prompt (or decoder start), the fixed step inputs, and the first logits."""
     name = cache_argument_name(model)
     pool = pool_of(model)
     if model.config.is_encoder_decoder:
         encoder_out = model.get_encoder()(**inputs)
-        hidden = encoder_out[0]
+        hidden: torch.Tensor = encoder_out[0]
+        mask = inputs.get("attention_mask")
+        if buckets is not None:
+            hidden, mask = pad_encoder_states(hidden, mask, buckets)
         batch, encoder_length = int(hidden.shape[0]), int(hidden.shape[1])
         start = model.generation_config.decoder_start_token_id
         if start is None:
@@ -128,8 +140,8 @@ def _prefill(
             model, batch_size=batch, max_cache_len=max_new_tokens + 1, encoder_length=encoder_length, pool=pool
         )
         step_inputs: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden), name: cache}
-        if "attention_mask" in inputs:
-            step_inputs["attention_mask"] = inputs["attention_mask"]
+        if mask is not None:
+            step_inputs["attention_mask"] = mask
         for tensor in (hidden, step_inputs.get("attention_mask")):
             if isinstance(tensor, torch.Tensor):
                 torch._dynamo.mark_static_address(tensor)  # the same tensors every step: no copy into the graph
