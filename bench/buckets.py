@@ -14,10 +14,11 @@ and a fresh dynamo:
 Per path: dynamo compilations (frames compiled, first call and later calls), graphs compiled
 (`unique_graphs`), CUDA-graph recordings, unexpected re-records and skips (0 and None without CUDA), the
 latency of every call and the mean and median after the first, and whether every call's tokens equal eager
-dynamic-cache `generate` without padding. The padding cost: on each path's compiled model, after its calls,
-the marginal time per decoding step ((time for `--new-tokens` tokens - time for a quarter of them) / the
-difference, best of 2) for an input of `--min-length` positions, which the buckets path pads to the bucket,
-and on the no-buckets path also at the bucket's own length. Results go to
+dynamic-cache `generate` without padding. The padding cost: the marginal time per decoding step ((time for
+`--new-tokens` tokens - time for a quarter of them) / the difference, best of 2) for an input of
+`--min-length` positions, padded to the bucket on the buckets path, against a third, fresh model and dynamo
+that only ever sees that length (graphs specialised to the real length). The no-buckets path's marginal
+times after its calls (at `--min-length` and at the bucket's length) are reported too. Results go to
 `<out>/buckets-<device>-<date>-tf<version>.json`.
 """
 
@@ -168,6 +169,31 @@ def measure_path(
     return result
 
 
+def measure_static_baseline(
+    device: torch.device, *, model_name: str, length: int, new_tokens: int, references: dict[int, torch.Tensor]
+) -> dict[str, Any]:
+    """The padding cost's baseline: a fresh model and dynamo that only ever sees `length`, so its graphs are
+    specialised to the real length (no buckets, and no dynamic length, which dynamo switches to once it has
+    seen a second length)."""
+    torch._dynamo.reset()
+    built = zoo.build(model_name, device=device)
+    cachelife.enable(built.model)
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    built.model.forward = torch.compile(built.model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+    start = CudaGraphHealth.now()
+    first_s, tokens = timed(device, generate_call(built, length, new_tokens))
+    if not torch.equal(tokens, references[length]):
+        msg = f"tokens differ from eager at encoder length {length} in the static baseline"
+        raise RuntimeError(msg)
+    marginal = marginal_ms(device, built, length, new_tokens, references)
+    return {
+        "encoder_length": length,
+        "first_call_s": round(first_s, 4),
+        "graphs_compiled": CudaGraphHealth.now().graphs - start.graphs,
+        "marginal_ms_per_step": marginal,
+    }
+
+
 def marginal_ms(
     device: torch.device, built: zoo.ZooModel, length: int, new_tokens: int, references: dict[int, torch.Tensor]
 ) -> float:
@@ -232,16 +258,21 @@ def main() -> int:
             buckets=buckets, cost_lengths=cost_lengths,
         )  # fmt: skip
         path.write_text(json.dumps(record, indent=1) + "\n")
-    real = record["paths"]["no_buckets"]["marginal_ms_per_step"]
+    print(f"== static baseline at encoder length {args.min_length}", flush=True)
+    baseline = measure_static_baseline(
+        device, model_name=args.model, length=args.min_length, new_tokens=args.new_tokens, references=references
+    )
+    dynamic = record["paths"]["no_buckets"]["marginal_ms_per_step"]
     padded = record["paths"]["buckets"]["marginal_ms_per_step"]
     low = str(args.min_length)
     record["padding_cost"] = {
         "encoder_length": args.min_length,
         "bucket": args.bucket,
-        "marginal_ms_per_step_real_length": real[low],
+        "static_baseline": baseline,
+        "marginal_ms_per_step_real_length_static_graph": baseline["marginal_ms_per_step"],
         "marginal_ms_per_step_padded_to_bucket": padded[low],
-        "marginal_ms_per_step_no_buckets_at_bucket_length": real[str(args.bucket)],
-        "extra_ms_per_step": round(padded[low] - real[low], 3),
+        "extra_ms_per_step": round(padded[low] - baseline["marginal_ms_per_step"], 3),
+        "marginal_ms_per_step_no_buckets_after_calls": dynamic,
     }
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({name: {k: v for k, v in p.items() if k != "calls"} for name, p in record["paths"].items()}))
