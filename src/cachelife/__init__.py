@@ -13,10 +13,12 @@ from cachelife.errors import (
     CacheShapeError,
     CompiledRegionError,
     IllegalTransitionError,
+    InvalidBucketsError,
     ReplacedBuffersError,
     UnmarkedBuffersError,
     UnpinnedCacheError,
     UnsupportedCacheError,
+    UnsupportedGenerationError,
 )
 from cachelife.integration import (
     CacheLifecycleMixin,
@@ -49,6 +51,7 @@ __all__ = [
     "FillRecord",
     "Filled",
     "IllegalTransitionError",
+    "InvalidBucketsError",
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
@@ -59,6 +62,7 @@ __all__ = [
     "UnmarkedBuffersError",
     "UnpinnedCacheError",
     "UnsupportedCacheError",
+    "UnsupportedGenerationError",
     "__version__",
     "configure_from_environment",
     "disable",

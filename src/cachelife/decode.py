@@ -2,22 +2,28 @@
 
 `decode(model, inputs, max_new_tokens=...)` runs prefill eagerly, then one compiled step per token that
 includes token selection (greedy, or sampling from a seeded `torch.Generator`) and end-of-sequence
-bookkeeping, on pinned caches created before anything compiled runs. `steps_per_call=n` compiles n steps
-into one graph, so the host's fixed cost per graph call (guards, CUDA-graph input checks, one launch) is
-paid once every n tokens; the cache then holds up to n - 1 more positions, decoded and dropped. The host reads nothing from the device
-while decoding, except every `stop_check_every` steps to see whether every sequence has ended. It returns
-what `generate` returns by default: the decoder's tokens (encoder-decoder), or prompt and new tokens
-(decoder-only), padded after each sequence's end-of-sequence token.
+bookkeeping, on pinned caches created before anything compiled runs. The host reads nothing from the
+device while decoding, except every `stop_check_every` steps to see whether every sequence has ended. It
+returns what `generate` returns by default: the decoder's tokens (encoder-decoder), or prompt and new
+tokens (decoder-only), padded after each sequence's end-of-sequence token.
+
+`steps_per_call=n` compiles n steps into one graph, so the host's fixed cost per graph call (guards,
+CUDA-graph input checks, one launch) is paid once every n tokens; the cache then holds up to n - 1 more
+positions, decoded and dropped.
 
 It implements greedy search and plain sampling (temperature, top-k) only. A model whose generation config
 asks for more (forced or suppressed tokens, repetition penalties, minimum lengths, ...) is refused with
 `UnsupportedGenerationError` instead of decoding differently from `generate`. Prompts must not be padded.
+
+`encoder_buckets=(64, 128, ...)` pads the encoder output and its attention mask to the smallest bucket that
+fits before the cache is pinned (`cachelife.buckets`), so that encoder lengths within one bucket share one
+cross-attention cache shape and one compiled step.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +31,7 @@ from attrs import frozen
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_encoder_states
 from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.integration import cache_argument_name, pool_of, prepare_static_cache
@@ -63,9 +70,13 @@ def decode(
     stop_check_every: int = 16,
     steps_per_call: int = 1,
     compile_step: bool = True,
+    encoder_buckets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` tokens; see the module docstring."""
     _check_generation_config(model)
+    buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
+    if buckets is not None:
+        check_bucketable(model)
     if min(max_new_tokens, stop_check_every, steps_per_call) < 1:
         msg = (
             "max_new_tokens, stop_check_every and steps_per_call must be >= 1, got "
@@ -82,7 +93,7 @@ def decode(
     # max_new_tokens are decoded (the cache holds them) and dropped.
     calls = -(-(max_new_tokens - 1) // steps_per_call)
     with torch.no_grad(), pinned_compile_cache():
-        prompt, step_inputs, first_logits = _prefill(model, inputs, 1 + calls * steps_per_call)
+        prompt, step_inputs, first_logits = _prefill(model, inputs, 1 + calls * steps_per_call, buckets)
         batch = prompt.shape[0]
         noise = _Noise(generator if do_sample else None, steps_per_call, batch, first_logits.shape[-1], model.device)
         how = _Selection(do_sample, temperature, top_k, eos, pad)
@@ -124,7 +135,7 @@ def _eos_ids(value: object, device: torch.device) -> torch.Tensor:
 
 
 def _prefill(
-    model: PreTrainedModel, inputs: dict[str, torch.Tensor], new_tokens: int
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], new_tokens: int, buckets: Buckets | None
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
     """Eager prefill on a cache for `new_tokens` more tokens: the prompt (or decoder start), the fixed step
     inputs, and the first logits."""
@@ -132,7 +143,10 @@ def _prefill(
     pool = pool_of(model)
     if model.config.is_encoder_decoder:
         encoder_out = model.get_encoder()(**inputs)
-        hidden = encoder_out[0]
+        hidden: torch.Tensor = encoder_out[0]
+        mask = inputs.get("attention_mask")
+        if buckets is not None:
+            hidden, mask = pad_encoder_states(hidden, mask, buckets)
         batch, encoder_length = int(hidden.shape[0]), int(hidden.shape[1])
         start = model.generation_config.decoder_start_token_id
         if start is None:
@@ -145,8 +159,8 @@ def _prefill(
             model, batch_size=batch, max_cache_len=new_tokens + 1, encoder_length=encoder_length, pool=pool
         )
         step_inputs: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden), name: cache}
-        if "attention_mask" in inputs:
-            step_inputs["attention_mask"] = inputs["attention_mask"]
+        if mask is not None:
+            step_inputs["attention_mask"] = mask
         for tensor in (hidden, step_inputs.get("attention_mask")):
             if isinstance(tensor, torch.Tensor):
                 torch._dynamo.mark_static_address(tensor)  # the same tensors every step: no copy into the graph

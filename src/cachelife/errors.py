@@ -42,4 +42,9 @@ class UnsupportedCacheError(CacheLifecycleError, TypeError):
 
 
 class UnsupportedGenerationError(CacheLifecycleError, ValueError):
-    """cachelife's decode loop was asked for generation settings it does not implement."""
+    """cachelife was asked for generation settings it does not implement (in its decode loop, or encoder-length
+    buckets for a model whose cross-attention would not ignore the padding)."""
+
+
+class InvalidBucketsError(CacheLifecycleError, ValueError):
+    """Encoder-length buckets that are not a non-empty, strictly increasing sequence of positive ints."""

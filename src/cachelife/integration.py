@@ -12,6 +12,10 @@ cross-attention, is pinned before the model's first forward call with that cache
    with `on_unpinned="raise"`, refused with `UnpinnedCacheError`;
 3. after each forward call, content is recorded (`Pinned -> Filled`) without reading any tensor.
 
+With `enable(model, encoder_buckets=...)`, the encoder output and its attention mask are padded to a bucket
+length (`cachelife.buckets`) on the way into `_prepare_cache_for_generation`, so that the cross-attention
+cache is pinned, and decoding compiled, at the bucket length.
+
 All of this runs in eager Python around compiled code, never inside it: the hooks return at once while
 dynamo traces, so they add no graph break, recompilation or host-device synchronisation.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -31,6 +35,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 from cachelife import buffers
+from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_generation_kwargs
 from cachelife.cache_lifecycle import (
     CacheLifecycle,
     ManagedCache,
@@ -145,7 +150,11 @@ def pin_for_model(
 
 
 def enable(
-    model: PreTrainedModel, *, on_unpinned: OnUnpinned = "pin", pool_bytes: int = DEFAULT_BUDGET_BYTES
+    model: PreTrainedModel,
+    *,
+    on_unpinned: OnUnpinned = "pin",
+    pool_bytes: int = DEFAULT_BUDGET_BYTES,
+    encoder_buckets: Sequence[int] | None = None,
 ) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
@@ -153,23 +162,34 @@ def enable(
     reaches a forward call unpinned (it was replaced after `generate` prepared it, or built by hand): "pin"
     pins it there and logs a WARNING (the default), "raise" raises `UnpinnedCacheError`. `pool_bytes` is the
     budget of idle pinned buffers kept between `generate` calls so that the next call of the same shape
-    decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. Fails at once, before
-    anything is patched, if the model is no transformers generation model or its shapes cannot be inferred.
+    decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. `encoder_buckets`
+    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.buckets`), e.g.
+    `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that fits,
+    so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
+    Fails at once, before anything is patched, if the model is no transformers generation model, its shapes
+    cannot be inferred, or the buckets are invalid (`InvalidBucketsError`) or unsafe for it
+    (`UnsupportedGenerationError`).
     """
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
         raise ValueError(msg)
     _check_pool_budget(pool_bytes)
+    buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     existing = _guard_of(model)
     if existing is not None:
+        if buckets is not None:
+            check_bucketable(model)
         existing.on_unpinned = on_unpinned
         existing.pool = _make_pool(pool_bytes, existing.pool)
+        existing.encoder_buckets = buckets
         return model
     if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
         msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
         raise UnsupportedCacheError(msg)
     model_cache_shapes(model)  # fail now, not in the middle of generate
-    guard = _DecodingGuard(on_unpinned=on_unpinned, pool=_make_pool(pool_bytes, None))
+    if buckets is not None:
+        check_bucketable(model)
+    guard = _DecodingGuard(on_unpinned=on_unpinned, pool=_make_pool(pool_bytes, None), encoder_buckets=buckets)
     guard.install(model)
     return model
 
@@ -240,6 +260,7 @@ class _DecodingGuard:
 
     on_unpinned: OnUnpinned
     pool: CachePool | None
+    encoder_buckets: Buckets | None = None
     # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
     _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
@@ -257,8 +278,10 @@ class _DecodingGuard:
                 return originals["generate"](*args, **kwargs)
 
         def prepare_cache_for_generation(*args: Any, **kwargs: Any) -> Any:
+            arguments = prepare_signature.bind(*args, **kwargs).arguments
+            self.before_cache_preparation(arguments)
             result = originals["_prepare_cache_for_generation"](*args, **kwargs)
-            self.after_cache_preparation(model, prepare_signature.bind(*args, **kwargs).arguments)
+            self.after_cache_preparation(model, arguments)
             return result
 
         def get_compiled_call(*args: Any, **kwargs: Any) -> Any:
@@ -286,6 +309,13 @@ class _DecodingGuard:
             else:
                 model.__dict__.pop(name, None)
         model.__dict__.pop(_GUARD_ATTRIBUTE, None)
+
+    # 0. where generate has run the encoder (and expanded its output for beams) but built no cache yet
+    def before_cache_preparation(self, arguments: Mapping[str, Any]) -> None:
+        """Pad the encoder output and mask to their bucket, so the cache is built and pinned at that length."""
+        model_kwargs = arguments.get("model_kwargs")
+        if self.encoder_buckets is not None and isinstance(model_kwargs, dict):
+            pad_generation_kwargs(model_kwargs, self.encoder_buckets)
 
     # 1. where generate has built (or been handed) its cache
     def after_cache_preparation(self, model: PreTrainedModel, arguments: Mapping[str, Any]) -> None:
