@@ -280,7 +280,7 @@ def test_device_map_over_two_gpus_pins_each_layer_on_its_device_and_equals_eager
     cross = expected_devices if model.config.is_encoder_decoder else []
     assert seen == [[*expected_devices, *cross]]
     skips = int(counters["inductor"]["cudagraph_skips"]) - skips_before
-    print(f"{name} {mode}: CUDA-graph skips {skips} (multi-device graphs are skipped by CUDA-graph trees)")
+    print(f"{name} {mode}: CUDA-graph skips {skips}")
 
 
 @pytest.mark.gpu
