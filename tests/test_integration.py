@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
@@ -365,3 +366,32 @@ def test_cudagraph_skips_during_compiled_decoding_are_reported(caplog: pytest.Lo
     assert len(warnings) == 1
     assert "for 1 compiled graph(s) while LlamaForCausalLM decoded" in warnings[0]
     assert "cachelife.pinned_compile_cache()" in warnings[0]
+
+
+def test_a_latent_attention_model_pins_key_and_value_dims_that_differ_and_equals_eager() -> None:
+    """DeepSeek-V3 caches its compressed latents: keys of kv_lora_rank, values of qk_rope_head_dim."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(  # type: ignore[attr-defined]  # not in typings/: used here only
+        vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=64, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+        n_group=1, topk_group=1, pad_token_id=0, eos_token_id=None, bos_token_id=1,
+    )  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config).eval()  # type: ignore[attr-defined]  # likewise
+    input_ids = torch.randint(3, 97, (2, 5))
+    expected = model.generate(input_ids=input_ids, **SETTINGS)
+    cachelife.enable(model, on_unpinned="raise")
+    seen: list[list[tuple[int, ...]]] = []
+
+    def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = find_cache(kwargs)
+        if not seen and cache is not None:
+            states = [layer.state for layer in cachelife.lifecycle(cache).layers]
+            seen.append([(*s.buffers.key_shape, s.buffers.value_shape[-1]) for s in states if isinstance(s, Pinned)])
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    tokens = model.generate(input_ids=input_ids, **SETTINGS, cache_implementation="static")
+    assert torch.equal(tokens, expected)
+    assert [[(batch, heads, keys, values) for batch, heads, _, keys, values in layers] for layers in seen] == [
+        [(2, 1, 16, 8)] * 3
+    ]

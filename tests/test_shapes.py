@@ -216,6 +216,30 @@ CASES: dict[str, Case] = {
     "gemma2 (hybrid sliding)": decoder_only(
         "Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=12, sliding_window=3
     ),
+    "deepseek_v3 (latent attention: key and value dims differ)": decoder_only(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
+    "minicpm3 (latent attention)": decoder_only(
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+    ),
 }
 
 

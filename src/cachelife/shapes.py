@@ -186,11 +186,22 @@ def _layer_configs(config: PreTrainedConfig, layers: int) -> Sequence[PreTrained
     return [config] * layers
 
 
+# Multi-head latent attention that caches the compressed latents, one "head" each: keys of kv_lora_rank,
+# values of qk_rope_head_dim (read from each family's attention `forward`, transformers 5.17 and 5.24).
+MLA_LATENT_FAMILIES: Final = frozenset(
+    {"axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "mistral4", "youtu"}
+)
+
+
 def decoder_only_shapes(config: PreTrainedConfig) -> CacheShapes:
     """Llama-style decoders: `num_key_value_heads` (GQA) or `num_attention_heads`, `head_dim` or the
-    hidden size over the head count, per layer where the config varies them."""
+    hidden size over the head count, per layer where the config varies them; latent attention
+    (`MLA_LATENT_FAMILIES`) caches one head of `kv_lora_rank` keys and `qk_rope_head_dim` values."""
     text = config.get_text_config(decoder=True)
     layers = _int(text, "num_hidden_layers")
+    if text.model_type in MLA_LATENT_FAMILIES:
+        latent = LayerShape(1, _int(text, "kv_lora_rank"), _int(text, "qk_rope_head_dim"))
+        return CacheShapes((latent,) * layers)
     shapes = []
     for layer in _layer_configs(text, layers):
         heads = _int(layer, "num_attention_heads")
