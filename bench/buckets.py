@@ -29,7 +29,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +38,7 @@ from torch._dynamo.callback import CallbackArgs, callback_handler
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.timing import greedy, timed
 from cachelife import zoo
 from cachelife.recipe import CudaGraphHealth, resolve_device
 
@@ -63,27 +63,10 @@ class CompileEvents:
         return {"dynamo": self.counts["DYNAMO"], "cudagraph_recordings": self.counts["CUDAGRAPH_RECORDING"]}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    synchronize(device)
-    started = time.perf_counter()
-    tokens = call()
-    synchronize(device)
-    return time.perf_counter() - started, tokens
-
-
-def settings(tokens: int) -> dict[str, Any]:
-    return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
-
-
 def generate_call(built: zoo.ZooModel, length: int, tokens: int) -> Callable[[], torch.Tensor]:
     """Static-cache `generate` on the seeded inputs of one encoder length."""
     inputs = built.inputs(BATCH, length, length)
-    return lambda: zoo.generate_tokens(built.model, inputs, **settings(tokens), cache_implementation="static")
+    return lambda: zoo.generate_tokens(built.model, inputs, **greedy(tokens), cache_implementation="static")
 
 
 def spread(calls: int, low: int, high: int) -> list[int]:
@@ -245,7 +228,7 @@ def main() -> int:
     reference_model = zoo.build(args.model, device=device)
     references = {
         length: zoo.generate_tokens(
-            reference_model.model, reference_model.inputs(BATCH, length, length), **settings(args.new_tokens),
+            reference_model.model, reference_model.inputs(BATCH, length, length), **greedy(args.new_tokens),
             disable_compile=True,
         )
         for length in sorted(set(lengths) | set(cost_lengths))

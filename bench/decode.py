@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,27 +36,11 @@ from transformers import CompileConfig
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
+from bench.timing import greedy, timed
 from cachelife import zoo
 from cachelife.recipe import CudaGraphHealth, resolve_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS, SAME_SHAPE_CALLS = 4, 48, 64, 192, 3, 5
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    synchronize(device)
-    started = time.perf_counter()
-    tokens = call()
-    synchronize(device)
-    return time.perf_counter() - started, tokens
-
-
-def settings(tokens: int) -> dict[str, Any]:
-    return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
 
 
 def measure_path(
@@ -69,7 +52,7 @@ def measure_path(
     model = built.model
     inputs = built.inputs(BATCH, LENGTH, 1)
     references = {
-        tokens: zoo.generate_tokens(model, inputs, **settings(tokens), disable_compile=True) for tokens in (SHORT, LONG)
+        tokens: zoo.generate_tokens(model, inputs, **greedy(tokens), disable_compile=True) for tokens in (SHORT, LONG)
     }
     if prepare is not None:
         prepare(built)
@@ -82,7 +65,7 @@ def measure_path(
     start = CudaGraphHealth.now()
 
     def generate(tokens: int) -> tuple[float, bool]:
-        seconds, out = timed(device, lambda: zoo.generate_tokens(model, inputs, **settings(tokens), **extra))
+        seconds, out = timed(device, lambda: zoo.generate_tokens(model, inputs, **greedy(tokens), **extra))
         return seconds, out.shape == references[tokens].shape and bool(torch.equal(out, references[tokens]))
 
     # The long call first: transformers keeps the largest static cache length seen, so every later call

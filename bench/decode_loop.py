@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.timing import timed
 from cachelife import zoo
 from cachelife.decode import decode
 from cachelife.recipe import resolve_device
@@ -34,19 +34,9 @@ from cachelife.recipe import resolve_device
 BATCH, LENGTH, SHORT, LONG, REPEATS = 4, 48, 64, 192, 3
 
 
-def wall(device: torch.device, run: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    out = run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started, out
-
-
 def marginal_ms(device: torch.device, run: Callable[[int], torch.Tensor]) -> float:
-    short = min(wall(device, lambda: run(SHORT))[0] for _ in range(REPEATS))
-    long = min(wall(device, lambda: run(LONG))[0] for _ in range(REPEATS))
+    short = min(timed(device, lambda: run(SHORT))[0] for _ in range(REPEATS))
+    long = min(timed(device, lambda: run(LONG))[0] for _ in range(REPEATS))
     return 1000 * (long - short) / (LONG - SHORT)
 
 
@@ -93,7 +83,7 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call:
             compiled, inputs, do_sample=False, max_new_tokens=tokens, cache_implementation="static"
         )
 
-    _, generated = wall(device, lambda: generate(LONG))
+    _, generated = timed(device, lambda: generate(LONG))
     generate_ms = marginal_ms(device, generate)
     reference = eager if dtype == torch.float32 else generated
     loops = []
@@ -102,7 +92,7 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call:
         def loop(tokens: int, steps: int = steps) -> torch.Tensor:
             return decode(model, inputs, max_new_tokens=tokens, steps_per_call=steps)
 
-        compile_s, tokens = wall(device, lambda: loop(LONG))
+        compile_s, tokens = timed(device, lambda: loop(LONG))
         loop_ms = marginal_ms(device, loop)
         loop_kernel_ms = kernel_ms(device, loop)
         loops.append(

@@ -232,7 +232,7 @@ def _decode_one_token(
     how: _Selection,
     step_inputs: dict[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoding step: a forward call and token selection (the function that gets compiled)."""
+    """One decoding step: a forward call and token selection."""
     key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
     output = model(**{key: token}, use_cache=True, **step_inputs)
     return _select(output.logits[:, -1].float(), noise, finished, how)
