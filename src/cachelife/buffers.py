@@ -10,10 +10,15 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from attrs import frozen
+from transformers import cache_utils
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from typing_extensions import TypeIs
 
 from cachelife.errors import CacheShapeError, CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
+
+# transformers >= 5.24 fills the layers that store nothing (KV-sharing consumers, "moe"/"mlp" layer types) with
+# a `DummyLayer`; older versions have no such class. Not in typings/: the stubs describe 5.17 as well.
+_DUMMY_LAYER: type | None = getattr(cache_utils, "DummyLayer", None)
 
 # Attributes `StaticLayer.lazy_initialization` adds; dropping the storage removes them again so a released
 # layer looks exactly like one transformers has just built.
@@ -47,6 +52,11 @@ class Buffers:
 def is_static_layer(layer: object) -> TypeIs[StaticLayer]:
     """Whether `layer` is a transformers static layer whose storage cachelife can manage."""
     return isinstance(layer, StaticLayer)
+
+
+def is_storage_less_layer(layer: object) -> bool:
+    """Whether `layer` is exactly transformers' `DummyLayer` (>= 5.24), which stores no keys or values by design."""
+    return _DUMMY_LAYER is not None and type(layer) is _DUMMY_LAYER
 
 
 def is_plain_static_layer(layer: StaticLayer) -> bool:

@@ -22,6 +22,7 @@ from cachelife.layer_lifecycle import (
     Filled,
     FillRecord,
     LayerLifecycle,
+    NoStorage,
     Pinned,
     Role,
     Unallocated,
@@ -80,20 +81,26 @@ class CacheLifecycle:
         return self._cross_attention
 
     @property
+    def storage_layers(self) -> tuple[LayerLifecycle, ...]:
+        """The layers that store keys and values: every layer but the `NoStorage` ones (transformers' DummyLayer)."""
+        return tuple(layer for layer in self.layers if layer.holds_storage)
+
+    @property
     def is_pinned(self) -> bool:
-        """Whether every layer holds static buffers (state `Pinned` or `Filled`)."""
+        """Whether every storage layer holds static buffers (state `Pinned` or `Filled`); `NoStorage` layers
+        never block it."""
         return self._current_verdict()[1]
 
     @property
     def is_filled(self) -> bool:
-        """Whether every layer holds content."""
+        """Whether every storage layer holds content."""
         return self._current_verdict()[2]
 
     def _current_verdict(self) -> tuple[int, bool, bool]:
         # States change only through transitions, so the verdict holds until the next transition anywhere.
         now = transitions_so_far()
         if self._verdict[0] != now:
-            layers = self.layers
+            layers = self.storage_layers
             self._verdict = (
                 now,
                 all(layer.is_pinned for layer in layers),
@@ -102,8 +109,8 @@ class CacheLifecycle:
         return self._verdict
 
     def unpinned(self) -> tuple[LayerLifecycle, ...]:
-        """The layers that hold no static buffers."""
-        return tuple(layer for layer in self.layers if not layer.is_pinned)
+        """The storage layers that hold no static buffers (`NoStorage` layers are never listed)."""
+        return tuple(layer for layer in self.storage_layers if not layer.is_pinned)
 
     def require_pinned(self) -> None:
         """Raise `UnpinnedCacheError` naming every layer that is not pinned."""
@@ -111,7 +118,7 @@ class CacheLifecycle:
         if missing:
             names = ", ".join(f"{layer.describe()} is {type(layer.state).__name__}" for layer in missing)
             msg = (
-                f"{len(missing)} of {len(self.layers)} cache layers are not pinned: {names}. Pin them before "
+                f"{len(missing)} of {len(self.storage_layers)} cache layers are not pinned: {names}. Pin them before "
                 "compiled decoding with CacheLifecycle.pin(...) or cachelife.prepare_static_cache(...)."
             )
             raise UnpinnedCacheError(msg)
@@ -125,8 +132,11 @@ class CacheLifecycle:
         """
         self.pin_specs(self.specs_for(batch_size=batch_size, shapes=shapes, dtype=dtype, device=device))
 
-    def specs_for(self, *, batch_size: int, shapes: CacheShapes, dtype: torch.dtype, device: Devices) -> list[PinSpec]:
-        """One checked `PinSpec` per layer, in `layers` order, for a `pin` request."""
+    def specs_for(
+        self, *, batch_size: int, shapes: CacheShapes, dtype: torch.dtype, device: Devices
+    ) -> list[PinSpec | None]:
+        """One checked `PinSpec` per layer, in `layers` order, for a `pin` request; None for `NoStorage` layers,
+        whose entry in `shapes` is skipped (it is there only so that indices line up with decoder layers)."""
         counts = (len(self._self_attention), len(self._cross_attention))
         given = (len(shapes.self_attention), len(shapes.cross_attention))
         if counts != given:
@@ -141,18 +151,33 @@ class CacheLifecycle:
         devices = _per_layer_devices(device, len(self.layers))
         layer_shapes: list[LayerShape] = [*shapes.self_attention, *shapes.cross_attention]
         return [
-            PinSpec(batch_size, shape.num_kv_heads, shape.key_head_dim, shape.value_head_dim, dtype, dev)
-            for shape, dev in zip(layer_shapes, devices, strict=True)
+            None
+            if isinstance(layer.state, NoStorage)
+            else PinSpec(batch_size, shape.num_kv_heads, shape.key_head_dim, shape.value_head_dim, dtype, dev)
+            for layer, shape, dev in zip(self.layers, layer_shapes, devices, strict=True)
         ]
 
-    def pin_specs(self, specs: Sequence[PinSpec], reuse: Sequence[Mapping[str, torch.Tensor]] | None = None) -> None:
-        """`pin` with one spec per layer, and optionally the tensors to reuse for each (from a pool)."""
+    def pin_specs(
+        self, specs: Sequence[PinSpec | None], reuse: Sequence[Mapping[str, torch.Tensor]] | None = None
+    ) -> None:
+        """`pin` with one spec per layer (None exactly for `NoStorage` layers), and optionally the tensors to
+        reuse for each (from a pool)."""
+        if len(specs) != len(self.layers):
+            msg = f"got {len(specs)} pin specs for {len(self.layers)} cache layers; give one per layer"
+            raise CacheShapeError(msg)
         for layer, spec in zip(self.layers, specs, strict=True):
-            _check_matches(layer, spec)
+            if (spec is None) != isinstance(layer.state, NoStorage):
+                msg = (
+                    f"{layer.describe()} is {type(layer.state).__name__} but its pin spec is {spec!r}; "
+                    "expected None for a layer without storage and a PinSpec for every other layer"
+                )
+                raise CacheShapeError(msg)
+            if spec is not None:
+                _check_matches(layer, spec)
         pinned_here: list[LayerLifecycle] = []
         try:
             for index, (layer, spec) in enumerate(zip(self.layers, specs, strict=True)):
-                if isinstance(layer.state, Unallocated):
+                if isinstance(layer.state, Unallocated) and spec is not None:
                     layer.pin(spec, None if reuse is None else reuse[index])
                     pinned_here.append(layer)
         except BaseException:
@@ -161,20 +186,21 @@ class CacheLifecycle:
             raise
 
     def fill(self, record: FillRecord, *, cross: bool | None = None) -> None:
-        """Record content in every pinned layer (or only the self- or cross-attention ones)."""
+        """Record content in every pinned layer (or only the self- or cross-attention ones); `NoStorage` and
+        unallocated layers stay as they are."""
         chosen = {None: self.layers, False: self._self_attention, True: self._cross_attention}[cross]
         for layer in chosen:
             if isinstance(layer.state, Pinned):
                 layer.fill(record)
 
     def reset(self) -> None:
-        """Empty every pinned layer in place, keeping its addresses; unallocated layers stay so."""
+        """Empty every pinned layer in place, keeping its addresses; unallocated and `NoStorage` layers stay so."""
         for layer in self.layers:
             if layer.is_pinned:
                 layer.reset()
 
     def release(self) -> None:
-        """Drop every layer's buffers; the cache is back to lazy allocation."""
+        """Drop every layer's buffers; the cache is back to lazy allocation (`NoStorage` layers stay so)."""
         for layer in self.layers:
             if layer.is_pinned:
                 layer.release()

@@ -131,7 +131,7 @@ def pin_for_model(
     state = lifecycle(cache)
     devices = cache_layer_devices(model, len(shapes.self_attention), len(shapes.cross_attention))
     specs = state.specs_for(batch_size=batch_size, shapes=shapes, dtype=model.dtype, device=devices)
-    if pool is None or not all(isinstance(layer.state, Unallocated) for layer in state.layers):
+    if pool is None or not all(isinstance(layer.state, Unallocated) for layer in state.storage_layers):
         state.pin_specs(specs)
         return state
     key = pool_key(state, specs)

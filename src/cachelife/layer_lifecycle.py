@@ -8,6 +8,8 @@ Rules:
 - A transition first checks that it is legal, then acts on the buffers (`cachelife.buffers`), then records
   the new state and logs one DEBUG line. If acting fails, the state stays as it was.
 - Buffers are never allocated, marked or dropped inside a compiled or captured region.
+- A layer that stores nothing by design (transformers' `DummyLayer`) is `NoStorage` for its whole life: the
+  table lists no event from it, so every transition it is asked for raises; whole-cache operations skip it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ class Unallocated:
 
 
 @frozen
+class NoStorage:
+    """Stores no keys or values by design (transformers' `DummyLayer`: a KV-sharing consumer, or a layer without
+    attention); nothing to pin, fill, reset or release, and never blocking a cache from being pinned."""
+
+
+@frozen
 class Pinned:
     """Buffers allocated at their final shape, dtype and device, marked static, holding no content."""
 
@@ -62,7 +70,7 @@ class Filled:
     filled_by: FillRecord
 
 
-LayerState: TypeAlias = Unallocated | Pinned | Filled
+LayerState: TypeAlias = Unallocated | Pinned | Filled | NoStorage
 
 TRANSITIONS: Final[Mapping[tuple[type[LayerState], Event], type[LayerState]]] = {
     (Unallocated, "pin"): Pinned,
@@ -72,7 +80,12 @@ TRANSITIONS: Final[Mapping[tuple[type[LayerState], Event], type[LayerState]]] = 
     (Pinned, "reset"): Pinned,
     (Pinned, "release"): Unallocated,
     (Filled, "release"): Unallocated,
+    # NoStorage has no entry: it is final from adoption on.
 }
+
+_NO_STORAGE_FIX: Final = (
+    "it stores no keys or values (transformers' DummyLayer); CacheLifecycle operations skip such layers"
+)
 
 _FIXES: Final[Mapping[tuple[type[LayerState], Event], str]] = {
     (Pinned, "pin"): "it is already pinned; CacheLifecycle.pin() skips pinned layers",
@@ -81,6 +94,7 @@ _FIXES: Final[Mapping[tuple[type[LayerState], Event], str]] = {
     (Filled, "fill"): "it already holds content; reset() it before filling it again",
     (Unallocated, "reset"): "it holds no buffers to reset; pin it first",
     (Unallocated, "release"): "it holds no buffers to release",
+    **{(NoStorage, event): _NO_STORAGE_FIX for event in ("pin", "fill", "reset", "release")},
 }
 
 
@@ -98,6 +112,11 @@ def is_pinned_state(state: LayerState) -> bool:
     return isinstance(state, Pinned | Filled)
 
 
+def holds_storage(state: LayerState) -> bool:
+    """Whether a layer in this state is one that stores keys and values (every state but `NoStorage`)."""
+    return not isinstance(state, NoStorage)
+
+
 @define(eq=False)
 class LayerLifecycle:
     """The lifecycle of one transformers cache layer: which buffers it holds and whether they are pinned.
@@ -107,7 +126,8 @@ class LayerLifecycle:
 
     index: int
     role: Role
-    _layer: weakref.ReferenceType[StaticLayer] = field(alias="layer")
+    # A StaticLayer, or a DummyLayer (state NoStorage).
+    _layer: weakref.ReferenceType[object] = field(alias="layer")
     _owner: weakref.ReferenceType[EncoderDecoderCache] | None = field(alias="owner")
     _state: LayerState = field(alias="state")
 
@@ -121,6 +141,12 @@ class LayerLifecycle:
         layer's length for that costs one host-device synchronisation, here only, never per step.
         """
         who = f"layer {index} ({role}-attention)"
+        if buffers.is_storage_less_layer(layer):
+            adopted = cls(index=index, role=role, layer=weakref.ref(layer), owner=None, state=NoStorage())
+            logger.debug(
+                "layer=%d role=%s adopt: NoStorage (%s stores no keys or values)", index, role, type(layer).__name__
+            )
+            return adopted
         if not buffers.is_static_layer(layer):
             msg = (
                 f"{who} is a {type(layer).__name__}; cachelife pins static caches whose layers are "
@@ -150,10 +176,13 @@ class LayerLifecycle:
 
     @property
     def layer(self) -> StaticLayer:
-        """The transformers layer this lifecycle tracks."""
+        """The transformers layer this lifecycle tracks; a `NoStorage` layer has no `StaticLayer` to give."""
         layer = self._layer()
         if layer is None:
             msg = f"{self.describe()} no longer exists: its cache was garbage-collected"
+            raise UnsupportedCacheError(msg)
+        if not buffers.is_static_layer(layer):
+            msg = f"{self.describe()} is a {type(layer).__name__}, not a StaticLayer: it has no buffers to give"
             raise UnsupportedCacheError(msg)
         return layer
 
@@ -167,10 +196,15 @@ class LayerLifecycle:
         return is_pinned_state(self._state)
 
     @property
+    def holds_storage(self) -> bool:
+        """Whether the layer stores keys and values at all (every state but `NoStorage`)."""
+        return holds_storage(self._state)
+
+    @property
     def capacity(self) -> int | None:
-        """How many positions the layer holds (its `max_cache_len`), or None if the layer is gone."""
+        """How many positions the layer holds (its `max_cache_len`), or None if it is gone or stores nothing."""
         layer = self._layer()
-        return None if layer is None else layer.max_cache_len
+        return layer.max_cache_len if buffers.is_static_layer(layer) else None
 
     @property
     def cross_content_written(self) -> bool:
@@ -179,7 +213,9 @@ class LayerLifecycle:
         return owner is not None and bool(owner.is_updated.get(self.index, False))
 
     def describe(self) -> str:
-        """Name the layer for messages: index and role."""
+        """Name the layer for messages: index and role, and that it stores nothing if it is `NoStorage`."""
+        if isinstance(self._state, NoStorage):
+            return f"layer {self.index} ({self.role}-attention, no storage)"
         return f"layer {self.index} ({self.role}-attention)"
 
     # -- transitions -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 import torch
@@ -46,15 +46,21 @@ class BufferSet:
 
     @classmethod
     def of(cls, key: PoolKey, state: CacheLifecycle) -> BufferSet:
-        tensors = tuple(dict(buffers.static_tensors(layer.layer)) for layer in state.layers)
+        tensors = tuple(
+            dict(buffers.static_tensors(layer.layer)) if layer.holds_storage else {} for layer in state.layers
+        )
         size = sum(t.numel() * t.element_size() for layer in tensors for t in layer.values())
         return cls(key, tensors, size)
 
 
-def pool_key(state: CacheLifecycle, specs: list[PinSpec]) -> PoolKey:
-    """What a buffer set must match to be reused for this pin request."""
-    key = []
+def pool_key(state: CacheLifecycle, specs: Sequence[PinSpec | None]) -> PoolKey:
+    """What a buffer set must match to be reused for this pin request (a layer without storage, spec None,
+    holds its place with empty shapes)."""
+    key: list[tuple[str, tuple[int, ...], tuple[int, ...], str, str]] = []
     for layer, spec in zip(state.layers, specs, strict=True):
+        if spec is None:
+            key.append(("NoStorage", (), (), "-", "-"))
+            continue
         length = layer.capacity or 0
         key.append(
             (

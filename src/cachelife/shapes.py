@@ -193,17 +193,37 @@ MLA_LATENT_FAMILIES: Final = frozenset(
 )
 
 
+def storage_less_layers(config: PreTrainedConfig) -> frozenset[int]:
+    """Indices of the layers transformers (>= 5.24) caches with a `DummyLayer`: KV-sharing consumers
+    (`kv_sharing_modes` "reuse") and `"moe"`/`"mlp"` layer types, which store no keys or values."""
+    layer_types = getattr(config, "layer_types", None)
+    modes = getattr(config, "kv_sharing_modes", None)
+    found = set()
+    if isinstance(layer_types, Sequence):
+        found |= {index for index, kind in enumerate(layer_types) if kind in ("moe", "mlp")}
+    if isinstance(modes, Sequence):
+        found |= {index for index, mode in enumerate(modes) if mode == "reuse"}
+    return frozenset(found)
+
+
 def decoder_only_shapes(config: PreTrainedConfig) -> CacheShapes:
     """Llama-style decoders: `num_key_value_heads` (GQA) or `num_attention_heads`, `head_dim` or the
     hidden size over the head count, per layer where the config varies them; latent attention
-    (`MLA_LATENT_FAMILIES`) caches one head of `kv_lora_rank` keys and `qk_rope_head_dim` values."""
+    (`MLA_LATENT_FAMILIES`) caches one head of `kv_lora_rank` keys and `qk_rope_head_dim` values.
+
+    A layer that stores nothing (`storage_less_layers`) keeps its entry, so that indices line up with the
+    decoder's layers, but its own config is not read (it may describe no attention): the entry is the
+    top-level config's shape, and cachelife pins nothing there (the layer's state is `NoStorage`).
+    """
     text = config.get_text_config(decoder=True)
     layers = _int(text, "num_hidden_layers")
     if text.model_type in MLA_LATENT_FAMILIES:
         latent = LayerShape(1, _int(text, "kv_lora_rank"), _int(text, "qk_rope_head_dim"))
         return CacheShapes((latent,) * layers)
+    skipped = storage_less_layers(text)
     shapes = []
-    for layer in _layer_configs(text, layers):
+    for index, per_layer in enumerate(_layer_configs(text, layers)):
+        layer = text if index in skipped else per_layer
         heads = _int(layer, "num_attention_heads")
         kv_heads = _optional_int(layer, "num_key_value_heads") or heads
         head_dim = _optional_int(layer, "head_dim") or _int(layer, "hidden_size") // heads
