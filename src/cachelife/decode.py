@@ -223,21 +223,6 @@ def _select(
     return token, finished | (token == how.eos.view(1, -1)).any(dim=-1, keepdim=True)
 
 
-def _decode_one_token(
-    model: PreTrainedModel,
-    token: torch.Tensor,
-    finished: torch.Tensor,
-    noise: torch.Tensor,
-    *,
-    how: _Selection,
-    step_inputs: dict[str, Any],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoding step: a forward call and token selection."""
-    key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
-    output = model(**{key: token}, use_cache=True, **step_inputs)
-    return _select(output.logits[:, -1].float(), noise, finished, how)
-
-
 def _decode_n_tokens(
     model: PreTrainedModel,
     token: torch.Tensor,
@@ -248,11 +233,13 @@ def _decode_n_tokens(
     step_inputs: dict[str, Any],
     steps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`steps` decoding steps in a row (the function that gets compiled): one graph launch, and one pass of
-    the host over guards and graph inputs, for all of them."""
+    """`steps` decoding steps in a row, each a forward call and token selection (the function that gets
+    compiled): one graph launch, and one pass of the host over guards and graph inputs, for all of them."""
+    key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
     new = []
     for index in range(steps):
-        token, finished = _decode_one_token(model, token, finished, noise[index], how=how, step_inputs=step_inputs)
+        output = model(**{key: token}, use_cache=True, **step_inputs)
+        token, finished = _select(output.logits[:, -1].float(), noise[index], finished, how)
         new.append(token)
     return torch.cat(new, dim=1), finished
 
