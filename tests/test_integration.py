@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from torch._dynamo.utils import counters
 from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
@@ -338,34 +337,6 @@ def test_mixin_refuses_classes_that_are_no_model() -> None:
 
     with pytest.raises(UnsupportedCacheError, match="must be mixed into a transformers PreTrainedModel"):
         NotAModel()
-
-
-def test_cudagraph_skips_during_compiled_decoding_are_reported(caplog: pytest.LogCaptureFixture) -> None:
-    # On a CPU torch never skips CUDA graphs; stand in for a compiled forward during which it did once.
-    built = zoo.build("llama")
-    model = built.model
-    cachelife.enable(model)
-    eager_forward = model.forward
-
-    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
-        if not counters["test"]["skipped"]:
-            counters["test"]["skipped"] = 1
-            counters["inductor"]["cudagraph_skips"] += 1
-        return eager_forward(*args, **kwargs)
-
-    compiled_forward._torchdynamo_orig_callable = eager_forward  # type: ignore[attr-defined]
-    model.forward = compiled_forward  # type: ignore[method-assign]
-    try:
-        with caplog.at_level(logging.WARNING, logger="cachelife"):
-            for _ in range(2):
-                zoo.generate_tokens(model, built.inputs(2, 5, 1), **SETTINGS, cache_implementation="static")
-    finally:
-        counters["inductor"]["cudagraph_skips"] -= 1
-        del counters["test"]
-    warnings = [r.getMessage() for r in caplog.records if "skipped CUDA graphs" in r.getMessage()]
-    assert len(warnings) == 1
-    assert "for 1 compiled graph(s) while LlamaForCausalLM decoded" in warnings[0]
-    assert "cachelife.pinned_compile_cache()" in warnings[0]
 
 
 def test_a_latent_attention_model_pins_key_and_value_dims_that_differ_and_equals_eager() -> None:

@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
 import cachelife
-from cachelife import buffers, zoo
+from cachelife import buffers, reorder, zoo
 from cachelife.buffers import PinSpec
 from cachelife.integration import find_cache
 from cachelife.layer_lifecycle import Pinned
@@ -130,6 +130,9 @@ def test_reused_buffers_leave_the_layer_as_a_fresh_pin_would() -> None:
             if isinstance(value, torch.Tensor):
                 assert value is other  # the very same tensors, now empty
                 assert not bool(other.any())
+            elif name == "reorder_cache":  # cachelife's in-place beam reorder, one per layer
+                assert reorder.is_in_place(a)
+                assert reorder.is_in_place(b)
             else:
                 assert value == other, name
 

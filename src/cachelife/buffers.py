@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 from transformers import cache_utils
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from typing_extensions import TypeIs
 
+from cachelife import reorder
 from cachelife.errors import CacheShapeError, CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
 
 # transformers >= 5.24 fills the layers that store nothing (KV-sharing consumers, "moe"/"mlp" layer types) with
@@ -47,6 +48,9 @@ class Buffers:
     device: torch.device
     # (name, data pointer) of every tensor marked static, in a fixed order.
     data_ptrs: tuple[tuple[str, int], ...]
+    # The tensors themselves, in the same order: what the layer must still hold (compared by identity, once
+    # per decoding step) and what replaced tensors' content is copied back into.
+    tensors: tuple[torch.Tensor, ...] = field(default=(), eq=False, repr=False)
 
 
 def is_static_layer(layer: object) -> TypeIs[StaticLayer]:
@@ -114,6 +118,7 @@ def observe(layer: StaticLayer) -> Buffers | None:
         dtype=layer.keys.dtype,
         device=layer.keys.device,
         data_ptrs=tuple((name, tensor.data_ptr()) for name, tensor in static_tensors(layer)),
+        tensors=tuple(tensor for _, tensor in static_tensors(layer)),
     )
 
 
@@ -157,6 +162,7 @@ def allocate(layer: StaticLayer, spec: PinSpec, reuse: Mapping[str, torch.Tensor
             "layers that store them (transformers' StaticLayer family)"
         )
         raise UnsupportedCacheError(msg)
+    reorder.install(layer)
     return buffers
 
 
@@ -184,6 +190,7 @@ def zero(layer: StaticLayer, recorded: Buffers, who: str) -> None:
     """Empty the layer in place (transformers' own `reset`), keeping every data pointer."""
     check_unreplaced(layer, recorded, who)
     layer.reset()
+    reorder.share_rows_within_beams(layer, shared=False)
 
 
 def check_unreplaced(layer: StaticLayer, recorded: Buffers, who: str) -> None:
@@ -209,6 +216,59 @@ def drop(layer: StaticLayer) -> None:
         layer.cumulative_length_int = 0
     for name in _INIT_ATTRIBUTES:
         layer.__dict__.pop(name, None)
+    reorder.remove(layer)
+
+
+def replaced_tensors(layer: StaticLayer, recorded: Buffers) -> list[str]:
+    """Names of the tensors the layer no longer holds since they were recorded (an identity check: cheap
+    enough for every decoding step)."""
+    live = (layer.keys, layer.values, layer.cumulative_length)
+    return [
+        name
+        for (name, _), pinned, now in zip(recorded.data_ptrs, recorded.tensors, live, strict=False)
+        if now is not pinned
+    ]
+
+
+def restore(layer: StaticLayer, recorded: Buffers, who: str) -> None:
+    """Put the recorded tensors back into a layer whose tensors were replaced, carrying over the content of
+    the replacements (copied in place, so every data pointer is the recorded one again).
+
+    Raises `ReplacedBuffersError`, changing nothing, when a replacement does not fit its recorded tensor
+    (another shape, dtype or device): its content cannot be kept at the pinned addresses.
+    """
+    live = {"keys": layer.keys, "values": layer.values, "cumulative_length": layer.cumulative_length}
+    pairs = [(name, pinned, live[name]) for (name, _), pinned in zip(recorded.data_ptrs, recorded.tensors, strict=True)]
+    misfits = [
+        f"{name} is now {_describe(now)}, pinned as {_describe(pinned)}"
+        for name, pinned, now in pairs
+        if now is not pinned and not _fits(now, pinned)
+    ]
+    if misfits:
+        msg = (
+            f"{who}: its buffers were replaced by tensors that do not fit them ({'; '.join(misfits)}), so their "
+            "content cannot be moved back to the pinned addresses; release the cache and pin it again."
+        )
+        raise ReplacedBuffersError(msg)
+    for name, pinned, now in pairs:
+        if now is not pinned and isinstance(now, torch.Tensor):
+            pinned.copy_(now)
+            setattr(layer, name, pinned)
+
+
+def _fits(now: object, pinned: torch.Tensor) -> bool:
+    return (
+        isinstance(now, torch.Tensor)
+        and now.shape == pinned.shape
+        and now.dtype == pinned.dtype
+        and now.device == pinned.device
+    )
+
+
+def _describe(tensor: object) -> str:
+    if not isinstance(tensor, torch.Tensor):
+        return repr(tensor)
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
 
 
 def _format_ptrs(data_ptrs: tuple[tuple[str, int], ...]) -> str:

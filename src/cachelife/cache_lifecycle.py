@@ -112,6 +112,16 @@ class CacheLifecycle:
         """The storage layers that hold no static buffers (`NoStorage` layers are never listed)."""
         return tuple(layer for layer in self.storage_layers if not layer.is_pinned)
 
+    def replaced(self) -> tuple[tuple[LayerLifecycle, list[str]], ...]:
+        """Pinned layers whose tensors were replaced behind the lifecycle's back, each with the names of the
+        replaced tensors (keys, values, cumulative_length); empty when every layer holds its pinned tensors."""
+        found = []
+        for layer in self.layers:
+            names = layer.replaced_tensors()
+            if names:
+                found.append((layer, names))
+        return tuple(found)
+
     def require_pinned(self) -> None:
         """Raise `UnpinnedCacheError` naming every layer that is not pinned."""
         missing = self.unpinned()

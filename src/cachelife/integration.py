@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
@@ -34,7 +35,7 @@ from torch._dynamo.utils import counters
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
-from cachelife import buffers
+from cachelife import buffers, reorder
 from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_generation_kwargs
 from cachelife.cache_lifecycle import (
     CacheLifecycle,
@@ -45,11 +46,13 @@ from cachelife.cache_lifecycle import (
     lifecycle,
 )
 from cachelife.compile_cache import pinned_compile_cache
-from cachelife.errors import CacheShapeError, UnsupportedCacheError
+from cachelife.errors import CacheShapeError, ReplacedBuffersError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
 from cachelife.placement import cache_layer_devices
 from cachelife.pool import DEFAULT_BUDGET_BYTES, BufferSet, CachePool, pool_key
 from cachelife.shapes import CacheShapes, model_cache_shapes
+from cachelife.skips import describe as skips_describe
+from cachelife.skips import skip_log as skips_log
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +266,12 @@ class _DecodingGuard:
     encoder_buckets: Buckets | None = None
     # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
     _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
+    # Skip reasons torch had logged when this guard last looked (`cachelife.skips`).
+    _skip_lines_seen: int = field(factory=lambda: skips_log().count, alias="skip_lines_seen")
+    # Whether a pinned layer was found holding replaced tensors (then a stale compile cache is no likely cause).
+    _replaced_seen: bool = field(default=False, alias="replaced_seen")
+    # Caches whose replaced tensors were already reported, to warn once per cache.
+    _warned_replaced: weakref.WeakSet[CacheLifecycle] = field(factory=weakref.WeakSet, alias="warned_replaced")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
     # Attribute name -> the instance attribute that was there before (absent if the class provided it).
     _saved: dict[str, Any] = field(factory=dict, alias="saved")
@@ -330,7 +339,13 @@ class _DecodingGuard:
         if isinstance(generation_config, GenerationConfig):
             batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         encoder_length = _encoder_length(model_kwargs)
-        pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool)
+        state = pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool)
+        if isinstance(generation_config, GenerationConfig) and (generation_config.num_beams or 1) > 1:
+            # generate expanded the encoder output per beam: every beam of one input gets the same
+            # cross-attention rows, which a beam reorder never needs to move (see cachelife.reorder).
+            for layer in state.cross_attention:
+                if isinstance(layer.state, Pinned):
+                    reorder.share_rows_within_beams(layer.layer)
 
     # 2. the decoding boundary
     def before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -340,13 +355,51 @@ class _DecodingGuard:
         if not is_managed_cache(cache):
             return
         state = lifecycle(cache)
-        if state.is_filled:  # steady-state decoding: one memoised check per step
+        if state.is_filled:  # steady-state decoding: a memoised verdict and one identity check per layer
+            self.check_replaced(module, state)
             return
         _check_encoder_fits(state, kwargs)
         if not state.is_pinned:
             self.pin_late(module, cache, state, kwargs)
+        self.check_replaced(module, state)
         if isinstance(module, PreTrainedModel):
             _check_call_fits(state, module, kwargs)
+
+    def check_replaced(self, module: torch.nn.Module, state: CacheLifecycle) -> None:
+        """A pinned layer whose tensors were replaced behind the lifecycle's back (beam reorders of a layer
+        without cachelife's in-place reorder, `Cache.crop`, `batch_select_indices`, code assigning
+        `layer.keys`, ...): copy their content back into the pinned tensors and warn once per cache, or
+        refuse with `ReplacedBuffersError`."""
+        replaced = state.replaced()
+        if not replaced:
+            return
+        self._replaced_seen = True
+        names = "; ".join(f"{layer.describe()}: {', '.join(tensors)}" for layer, tensors in replaced)
+        fix = (
+            "Replace no tensor of a pinned layer: write into it in place (copy_, index_copy_), or release and pin "
+            "the cache again."
+        )
+        if self.on_unpinned == "raise":
+            msg = (
+                f"{len(replaced)} pinned cache layer(s) of {type(module).__name__} hold tensors they were not "
+                f"pinned with ({names}), so CUDA graphs would skip or re-record. {fix}"
+            )
+            raise ReplacedBuffersError(msg)
+        for layer, _ in replaced:
+            layer.restore_buffers()
+        if state in self._warned_replaced:
+            logger.debug("replaced cache tensors restored again before %s's forward: %s", type(module).__name__, names)
+            return
+        self._warned_replaced.add(state)
+        logger.warning(
+            "%d pinned cache layer(s) reached %s's forward holding tensors they were not pinned with (%s); "
+            "cachelife copied their content back into the pinned tensors, at the pinned addresses. %s Pass "
+            "on_unpinned='raise' to cachelife.enable to make this an error.",
+            len(replaced),
+            type(module).__name__,
+            names,
+            fix,
+        )
 
     def pin_late(
         self, module: torch.nn.Module, cache: ManagedCache, state: CacheLifecycle, kwargs: Mapping[str, Any]
@@ -390,20 +443,21 @@ class _DecodingGuard:
                 layer.fill(FillRecord("forward", _encoder_length(kwargs), compiled))
 
     def report_cudagraph_skips(self, module: torch.nn.Module) -> None:
-        """Warn when torch skipped CUDA graphs since the last look: the graph then runs correct but slow."""
+        """Warn when torch skipped CUDA graphs since the last look (the graph then runs correct but slow),
+        naming the reason torch gave and its fix."""
         skips = int(counters["inductor"]["cudagraph_skips"])
         if skips <= self._skips_seen:
             return
+        log = skips_log()
+        reasons = log.since(self._skip_lines_seen)
         logger.warning(
-            "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded (see torch's 'skipping "
-            "cudagraphs due to ...' log line): those graphs run without CUDA graphs, correct but slow. cachelife's "
-            "caches are pinned and marked static, and generate compiles in cachelife's own compile-cache "
-            "namespace; a loop of your own should run inside cachelife.pinned_compile_cache(). If the reason is "
-            "'mutated inputs' all the same, run once with a fresh TORCHINDUCTOR_CACHE_DIR.",
+            "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded, so they run correct but slow: %s",
             skips - self._skips_seen,
             type(module).__name__,
+            skips_describe(reasons, caches_hold_pinned_tensors=not self._replaced_seen),
         )
         self._skips_seen = skips
+        self._skip_lines_seen = log.count
 
     def guard_compiled_call(self, model: PreTrainedModel, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap transformers' auto-compiled `__call__` so the boundary checks run eagerly around it."""

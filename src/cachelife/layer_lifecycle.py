@@ -23,7 +23,7 @@ import torch
 from attrs import define, field, frozen
 from transformers.cache_utils import EncoderDecoderCache, StaticLayer
 
-from cachelife import buffers
+from cachelife import buffers, reorder
 from cachelife.buffers import Buffers, PinSpec
 from cachelife.errors import IllegalTransitionError, UnmarkedBuffersError, UnsupportedCacheError
 
@@ -161,13 +161,10 @@ class LayerLifecycle:
             )
             raise UnsupportedCacheError(msg)
         owner_ref = None if owner is None else weakref.ref(owner)
-        return cls(
-            index=index,
-            role=role,
-            layer=weakref.ref(layer),
-            owner=owner_ref,
-            state=_observed_state(layer, who, index, owner),
-        )
+        state = _observed_state(layer, who, index, owner)
+        if is_pinned_state(state):
+            reorder.install(layer)
+        return cls(index=index, role=role, layer=weakref.ref(layer), owner=owner_ref, state=state)
 
     @property
     def state(self) -> LayerState:
@@ -211,6 +208,33 @@ class LayerLifecycle:
         """For a cross-attention layer: whether the model has announced its encoder keys and values."""
         owner = None if self._owner is None else self._owner()
         return owner is not None and bool(owner.is_updated.get(self.index, False))
+
+    def replaced_tensors(self) -> list[str]:
+        """For a pinned layer: the names of the tensors it no longer holds (something assigned new ones behind
+        the lifecycle's back); empty for every other state. An identity check, cheap enough for every step."""
+        state = self._state
+        if not isinstance(state, Pinned | Filled):
+            return []
+        return buffers.replaced_tensors(self.layer, state.buffers)
+
+    def restore_buffers(self) -> None:
+        """Move the content of replaced tensors back into the pinned ones, which the layer then holds again
+        (same data pointers); the state is unchanged. Raises `ReplacedBuffersError`, changing nothing, when
+        the replacements do not fit the pinned tensors."""
+        state = self._state
+        if not isinstance(state, Pinned | Filled):
+            return
+        names = self.replaced_tensors()
+        if not names:
+            return
+        buffers.refuse_in_compiled_region("restore the buffers of", self.describe())
+        buffers.restore(self.layer, state.buffers, self.describe())
+        logger.debug(
+            "layer=%d role=%s restore: %s were replaced; content copied back into the pinned tensors",
+            self.index,
+            self.role,
+            ",".join(names),
+        )
 
     def describe(self) -> str:
         """Name the layer for messages: index and role, and that it stores nothing if it is `NoStorage`."""
