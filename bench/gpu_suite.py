@@ -5,7 +5,7 @@
 Stages: tests (pytest -m gpu against the image's transformers and every wheel in `.whl/`
 (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
-under torchrun on the newest), and the benchmarks decode-loop, soak, decode and buckets (newest
+under torchrun on the newest), and the benchmarks decode-loop, soak, decode, buckets and beams (newest
 transformers; their JSON goes straight to --out).
 
 `/` separates tracks that run at the same time, one after the other within a track; with several GPUs,
@@ -307,6 +307,7 @@ BENCHES = {
     "soak": ["bench.soak", "--device", "cuda", "--compile", "--calls", "100"],
     "decode": ["bench.decode", "--device", "cuda"],
     "buckets": ["bench.buckets", "--device", "cuda"],
+    "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small"],
 }
 
 

@@ -103,6 +103,41 @@ def test_recipe_with_cachelife_is_healthy(
     assert [call["health"]["rerecords"] for call in record["calls"]] == [0, 0, 0]
 
 
+@pytest.fixture(scope="module")
+def beam_recipes() -> dict[str, dict[str, Any]]:
+    """One beam-search recipe run (4 beams, compiled forward, 3 calls) per model."""
+    return {}
+
+
+def beam_recipe(recipes: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    if name not in recipes:
+        recipes[name] = run_recipe(
+            "--model", name, "--compile", "forward", "--calls", "3", "--num-beams", "4", "--batch-size", "2",
+            "--new-tokens", "32",
+        )  # fmt: skip
+    return recipes[name]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_beam_search_with_a_compiled_forward_equals_eager_on_three_calls(
+    beam_recipes: dict[str, dict[str, Any]], name: str
+) -> None:
+    record = beam_recipe(beam_recipes, name)
+    assert record["returncode"] == 0, record["stderr_tail"]
+    assert [call["equal_to_eager"] for call in record["calls"]] == [True, True, True], record
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_beam_search_with_a_compiled_forward_keeps_its_cuda_graphs(
+    beam_recipes: dict[str, dict[str, Any]], name: str
+) -> None:
+    """Beam reorders write into the pinned buffers: no skip at all, no re-record after the first call."""
+    record = beam_recipe(beam_recipes, name)
+    calls = record["calls"]
+    assert [call["health"]["cudagraph_skips"] for call in calls] == [0, 0, 0], record["stderr_tail"]
+    assert {call["health"]["rerecords"] for call in calls} == {calls[0]["health"]["rerecords"]}, record
+
+
 # Capturing nothing (pinning refused before any kernel) leaves the graph empty, which torch warns about.
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_pin_refuses_during_cuda_graph_capture() -> None:

@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe.add_argument("--without-cachelife", action="store_true", help="run transformers as released")
     recipe.add_argument("--compile", choices=("forward", "auto"), default="forward")
     recipe.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    recipe.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (default: 1)")
     recipe.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         input_length=args.input_length,
         new_tokens=args.new_tokens,
         calls=args.calls,
+        num_beams=args.num_beams,
     )
     if args.json:
         print("RESULT " + json.dumps(report.to_json()), flush=True)

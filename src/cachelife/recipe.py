@@ -83,6 +83,7 @@ class RecipeReport:
     use_cachelife: bool
     compile_mode: CompileMode
     new_tokens: int
+    num_beams: int
     eager_seconds: float
     calls: tuple[CallReport, ...]
     table_at_first_forward: str
@@ -134,13 +135,20 @@ def run_recipe(
     input_length: int = 48,
     new_tokens: int = 64,
     calls: int = 3,
+    num_beams: int = 1,
 ) -> RecipeReport:
-    """Run the recipe on a zoo model; exceptions inside a call are reported, not raised."""
+    """Run the recipe on a zoo model (beam search with `num_beams` > 1); exceptions inside a call are
+    reported, not raised."""
     chosen = resolve_device(device)
     built = zoo.build(model_name, device=chosen, dtype=dtype)
     model = built.model
     inputs = built.inputs(batch_size, input_length, 1)
-    settings: dict[str, Any] = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    settings: dict[str, Any] = {
+        "do_sample": False,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "num_beams": num_beams,
+    }
     started = time.perf_counter()
     reference = zoo.generate_tokens(model, inputs, **settings, disable_compile=True)
     eager_seconds = _elapsed(started, chosen)
@@ -189,6 +197,7 @@ def run_recipe(
         use_cachelife=use_cachelife,
         compile_mode=compile_mode,
         new_tokens=new_tokens,
+        num_beams=num_beams,
         eager_seconds=eager_seconds,
         calls=tuple(reports),
         table_at_first_forward=first_forward[0] if first_forward else "",
