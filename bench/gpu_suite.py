@@ -307,7 +307,7 @@ BENCHES = {
     "soak": ["bench.soak", "--device", "cuda", "--compile", "--calls", "100"],
     "decode": ["bench.decode", "--device", "cuda"],
     "buckets": ["bench.buckets", "--device", "cuda"],
-    "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small"],
+    "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small,llama-small"],
 }
 
 
