@@ -16,9 +16,10 @@ inputs, with exactly N new tokens (min_new_tokens = max_new_tokens, so no beam e
 - `cachelife_compiled_forward_cross_reordered`: the same, but cross-attention layers reordered in place
   too, to measure what skipping them saves.
 
-Per path: marginal ms per step ((time for LONG tokens - time for SHORT) / (LONG - SHORT), best of 3),
-first and second call seconds, tokens equal eager, CUDA-graph skips, re-records after the first call, and
-dynamo recompiles. Results go to `<out>/beams-<device>-<date>-tf<version>.json`.
+Per path (each compiled in a fresh compile-cache directory): marginal ms per step ((time for LONG tokens -
+time for SHORT) / (LONG - SHORT), best of 3), first and second call seconds, tokens equal eager, CUDA-graph
+skips, re-records after the first call, and dynamo recompiles. Results go to
+`<out>/beams-<device>-<date>-tf<version>.json`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,8 +87,11 @@ def measure_path(
     prepare: Callable[[zoo.ZooModel], None] | None,
     variant: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> dict[str, Any]:
-    """One path on a fresh copy of the model (same seed, weights and inputs), compiled afresh."""
+    """One path on a fresh copy of the model (same seed, weights and inputs), compiled afresh in a compile
+    cache directory of its own: no path loads another's graphs (or, on torch 2.11 and 2.12, their CUDA-graph
+    skips, since static inputs are not part of the cache key there)."""
     torch._dynamo.reset()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"beams-{name}-")
     built = zoo.build(name, device=device)
     model = built.model
     inputs = built.inputs(BATCH, LENGTH, 1)
@@ -162,8 +168,6 @@ def run(models: list[str], device: torch.device, beams: int, save: Callable[[dic
             ("transformers_auto_compile", auto_compile(device), None, unchanged),
             ("cachelife_compiled_forward", static, compile_forward(device), unchanged),
             ("cachelife_compiled_forward_cross_reordered", static, compile_forward(device), cross_reordered),
-            # Last: torch 2.11/2.12 leave static inputs out of the compile-cache key, so graphs compiled while
-            # layers held replaced tensors would be loaded, with their CUDA-graph skip, by any later path.
             ("cachelife_compiled_forward_before", static, compile_forward(device), before_in_place_reorders),
         ]
         paths: dict[str, Any] = {}
