@@ -18,8 +18,8 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLay
 import cachelife
 from cachelife import zoo
 from cachelife.cache_lifecycle import CacheLifecycle, static_parts
-from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.integration import cache_argument_name, find_cache
+from cachelife.call_arguments import cache_argument_name, find_cache
+from cachelife.errors import CacheShapeError, InvalidArgumentError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, Pinned
 from cachelife.shapes import CacheShapes, LayerShape
 
@@ -159,7 +159,7 @@ def test_boundary_pins_a_cache_replaced_after_preparation_and_warns(caplog: pyte
         tokens = zoo.generate_tokens(built.model, inputs, **SETTINGS, cache_implementation="static")
     assert torch.equal(tokens, expected)
     assert recorder.states == [["Pinned"] * 4]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "cachelife.integration"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cachelife.guard"]
     assert len(warnings) == 1
     assert "layer 0 (cross-attention), layer 1 (cross-attention)" in warnings[0]
     assert "pinned there" in warnings[0]
@@ -216,7 +216,7 @@ def test_prepare_static_cache_is_pinned_and_generates_like_eager(name: str) -> N
         _, _, cross = static_parts(cache)
         assert cross is not None
         assert all(type(layer) is StaticLayer for layer in cross.layers)
-        assert {layer.state.buffers.key_shape[2] for layer in state.cross_attention} == {encoder_length}  # type: ignore[union-attr]
+        assert {layer.buffers.key_shape[2] for layer in state.cross_attention} == {encoder_length}
     cachelife.enable(model)  # so that the forward calls record the content they write
     tokens = zoo.generate_tokens(model, inputs, **SETTINGS, **{cache_argument_name(model): cache})
     assert torch.equal(tokens, expected)
@@ -235,7 +235,7 @@ def test_prepare_static_cache_checks_its_arguments() -> None:
         cachelife.prepare_static_cache(llama, batch_size=2, max_cache_len=8, encoder_length=3)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(CacheShapeError, match="batch_size must be a positive int"):
-            cachelife.prepare_static_cache(llama, batch_size=bad, max_cache_len=8)  # type: ignore[arg-type]
+            cachelife.prepare_static_cache(llama, batch_size=bad, max_cache_len=8)  # type: ignore[arg-type]  # misuse
     with pytest.raises(CacheShapeError, match="max_cache_len must be a positive int"):
         cachelife.prepare_static_cache(llama, batch_size=1, max_cache_len=0)
 
@@ -280,7 +280,7 @@ def test_disable_restores_an_instance_attribute_that_was_there_before() -> None:
 
 def test_enable_refuses_what_it_cannot_guard() -> None:
     with pytest.raises(UnsupportedCacheError, match="needs a transformers generation model"):
-        cachelife.enable(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+        cachelife.enable(torch.nn.Linear(2, 2))  # type: ignore[arg-type]  # the misuse under test
     model = zoo.build("t5").model
     model.config.model_type = "unknown-seq2seq"
     before = dict(model.__dict__)
@@ -289,8 +289,9 @@ def test_enable_refuses_what_it_cannot_guard() -> None:
     ):
         cachelife.enable(model)
     assert dict(model.__dict__) == before
-    with pytest.raises(ValueError, match="on_unpinned must be 'pin' or 'raise'"):
-        cachelife.enable(model, on_unpinned="ignore")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="on_unpinned must be 'pin' or 'raise'") as raised:
+        cachelife.enable(model, on_unpinned="ignore")  # type: ignore[arg-type]  # the misuse under test
+    assert isinstance(raised.value, ValueError)
 
 
 class DeclaredT5(T5ForConditionalGeneration):
@@ -353,8 +354,10 @@ def test_cudagraph_skips_during_compiled_decoding_are_reported(caplog: pytest.Lo
             counters["inductor"]["cudagraph_skips"] += 1
         return eager_forward(*args, **kwargs)
 
-    compiled_forward._torchdynamo_orig_callable = eager_forward  # type: ignore[attr-defined]
-    model.forward = compiled_forward  # type: ignore[method-assign]
+    # Stand in for torch.compile's wrapper: a function carrying the attribute torch sets on it, installed as
+    # the model's forward the way users do it.
+    compiled_forward._torchdynamo_orig_callable = eager_forward  # type: ignore[attr-defined]  # torch's marker
+    model.forward = compiled_forward  # type: ignore[method-assign]  # the user's recipe, on purpose
     try:
         with caplog.at_level(logging.WARNING, logger="cachelife"):
             for _ in range(2):

@@ -84,7 +84,7 @@ def test_documented_path_walk_through() -> None:
 
     tracked.pin(SPEC)
     check_whole_state(tracked, layer, Pinned)
-    pinned_ptrs = tracked.state.buffers.data_ptrs  # type: ignore[union-attr]
+    pinned_ptrs = tracked.buffers.data_ptrs
 
     write(layer)
     tracked.fill(FillRecord("test", positions=2, compiled=False))
@@ -93,7 +93,7 @@ def test_documented_path_walk_through() -> None:
 
     tracked.reset()
     check_whole_state(tracked, layer, Pinned)
-    assert tracked.state.buffers.data_ptrs == pinned_ptrs  # type: ignore[union-attr]
+    assert tracked.buffers.data_ptrs == pinned_ptrs
 
     write(layer, 3)
     tracked.fill(FillRecord("test"))
