@@ -2,7 +2,9 @@
 
 `lifecycle(cache)` returns the one `CacheLifecycle` of a cache (kept while the cache lives, never keeping it
 alive). Operations here apply a layer transition to every layer that needs it, all or nothing: they check
-every layer first and undo their own work if a later layer fails.
+every layer first (`LayerLifecycle.check`, and `cachelife.fit` for pin requests) and change a layer only when
+every check passed. Should acting still fail part way (out of memory while pinning), `pin` releases what the
+same call pinned.
 """
 
 from __future__ import annotations
@@ -197,16 +199,29 @@ class CacheLifecycle:
                 layer.fill(record)
 
     def reset(self) -> None:
-        """Empty every pinned layer in place, keeping its addresses; unallocated and `NoStorage` layers stay so."""
-        for layer in self.layers:
-            if layer.is_pinned:
-                layer.reset()
+        """Empty every pinned layer in place, keeping its addresses; unallocated and `NoStorage` layers stay so.
+
+        All or nothing: every pinned layer is checked first (its live tensors are still the recorded ones, else
+        `ReplacedBuffersError`; not inside a compiled region), and no layer is zeroed unless all pass.
+        """
+        pinned = [layer for layer in self.layers if layer.is_pinned]
+        for layer in pinned:
+            layer.check("reset")
+        for layer in pinned:
+            layer.reset()
 
     def release(self) -> None:
-        """Drop every layer's buffers; the cache is back to lazy allocation (`NoStorage` layers stay so)."""
-        for layer in self.layers:
-            if layer.is_pinned:
-                layer.release()
+        """Drop every layer's buffers; the cache is back to lazy allocation (`NoStorage` layers stay so).
+
+        All or nothing: every pinned layer is checked first (it still exists; not inside a compiled region),
+        and none is released unless all pass. Buffers replaced outside cachelife are released like any others:
+        releasing, then pinning again, is the way out of `ReplacedBuffersError`.
+        """
+        pinned = [layer for layer in self.layers if layer.is_pinned]
+        for layer in pinned:
+            layer.check("release")
+        for layer in pinned:
+            layer.release()
 
 
 _REGISTRY: weakref.WeakKeyDictionary[Cache, CacheLifecycle] = weakref.WeakKeyDictionary()
