@@ -19,6 +19,7 @@ import cachelife
 from cachelife import zoo
 from cachelife.cache_lifecycle import CacheLifecycle, static_parts
 from cachelife.call_arguments import cache_argument_name, find_cache
+from cachelife.compiled import eager_forward, is_compiled
 from cachelife.errors import CacheShapeError, InvalidArgumentError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, Pinned
 from cachelife.shapes import CacheShapes, LayerShape
@@ -233,9 +234,9 @@ def test_prepare_static_cache_checks_its_arguments() -> None:
         cachelife.prepare_static_cache(t5, batch_size=2, max_cache_len=8)
     with pytest.raises(CacheShapeError, match="decoder-only"):
         cachelife.prepare_static_cache(llama, batch_size=2, max_cache_len=8, encoder_length=3)
-    for bad in (0, -1, 2.5, True):
+    for bad in (0, -1, 2.5, True):  # wrong values, and wrong types on purpose
         with pytest.raises(CacheShapeError, match="batch_size must be a positive int"):
-            cachelife.prepare_static_cache(llama, batch_size=bad, max_cache_len=8)  # type: ignore[arg-type]  # misuse
+            cachelife.prepare_static_cache(llama, batch_size=bad, max_cache_len=8)  # type: ignore[arg-type]
     with pytest.raises(CacheShapeError, match="max_cache_len must be a positive int"):
         cachelife.prepare_static_cache(llama, batch_size=1, max_cache_len=0)
 
@@ -398,3 +399,20 @@ def test_a_latent_attention_model_pins_key_and_value_dims_that_differ_and_equals
     assert [[(batch, heads, keys, values) for batch, heads, _, keys, values in layers] for layers in seen] == [
         [(2, 1, 16, 8)] * 3
     ]
+
+
+def test_compile_forward_installs_one_compiled_forward_and_restore_forward_undoes_it() -> None:
+    model = zoo.build("llama").model
+    eager = model.forward
+    compiled = cachelife.compile_forward(model, backend="eager", fullgraph=True)
+    assert model.forward is compiled
+    assert is_compiled(model.forward)
+    assert eager_forward(model) == eager
+    again = cachelife.compile_forward(model, backend="eager")
+    assert model.forward is again
+    assert again is not compiled
+    assert eager_forward(model) == eager  # compiled from the eager forward, not wrapped around the first one
+    cachelife.restore_forward(model)
+    assert "forward" not in model.__dict__
+    assert model.forward == eager
+    assert not is_compiled(model.forward)
