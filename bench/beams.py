@@ -39,8 +39,8 @@ from transformers import CompileConfig
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
-from cachelife import integration, reorder, zoo
-from cachelife.recipe import CudaGraphHealth, resolve_device
+from cachelife import guard, reorder, zoo
+from cachelife.recipe import CudaGraphHealth, pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS = 2, 48, 16, 48, 3
 
@@ -57,14 +57,14 @@ def unchanged() -> Iterator[None]:
 @contextlib.contextmanager
 def before_in_place_reorders() -> Iterator[None]:
     """cachelife as it was before in-place beam reorders: transformers' reorder, replacements unnoticed."""
-    install, check = reorder.install, integration._DecodingGuard.check_replaced
+    install, check = reorder.install, guard.DecodingGuard.check_replaced
     reorder.install = lambda layer: None  # the emulated older release
-    integration._DecodingGuard.check_replaced = lambda self, module, state: None  # type: ignore[method-assign]
+    guard.DecodingGuard.check_replaced = lambda self, module, state: None  # type: ignore[method-assign]
     try:
         yield
     finally:
         reorder.install = install
-        integration._DecodingGuard.check_replaced = check  # type: ignore[method-assign]
+        guard.DecodingGuard.check_replaced = check  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -192,7 +192,7 @@ def main() -> int:
     parser.add_argument("--beams", type=int, default=4, help="num_beams (default: 4)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON result")
     args = parser.parse_args()
-    device = resolve_device(args.device)
+    device = pick_device(args.device)
     record = {
         **header("beams", device),
         "settings": {

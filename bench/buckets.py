@@ -40,7 +40,7 @@ import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import greedy, timed
 from cachelife import zoo
-from cachelife.recipe import CudaGraphHealth, resolve_device
+from cachelife.recipe import CudaGraphHealth, pick_device
 
 BATCH, BUCKETS, REPEATS = 4, (64, 128, 256, 512), 2
 
@@ -94,7 +94,7 @@ def measure_path(
     model = built.model
     cachelife.enable(model, encoder_buckets=buckets)
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+    cachelife.compile_forward(model, mode=mode, fullgraph=True)
     events = CompileEvents()
     start_health, start_events = CudaGraphHealth.now(), events.snapshot()
     calls: list[dict[str, Any]] = []
@@ -162,7 +162,7 @@ def measure_static_baseline(
     built = zoo.build(model_name, device=device)
     cachelife.enable(built.model)
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    built.model.forward = torch.compile(built.model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+    cachelife.compile_forward(built.model, mode=mode, fullgraph=True)
     start = CudaGraphHealth.now()
     first_s, tokens = timed(device, generate_call(built, length, new_tokens))
     if not torch.equal(tokens, references[length]):
@@ -209,7 +209,7 @@ def main() -> int:
     args = parser.parse_args()
     if not 1 <= args.min_length <= args.bucket or args.calls < 1 or args.new_tokens < 4:
         parser.error("need 1 <= --min-length <= --bucket, --calls >= 1 and --new-tokens >= 4")
-    device = resolve_device(args.device)
+    device = pick_device(args.device)
     lengths = spread(args.calls, args.min_length, args.bucket)
     cost_lengths = sorted({args.min_length, args.bucket})
     record: dict[str, Any] = {

@@ -38,7 +38,7 @@ import cachelife
 from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
 from bench.timing import greedy, timed
 from cachelife import zoo
-from cachelife.recipe import CudaGraphHealth, resolve_device
+from cachelife.recipe import CudaGraphHealth, pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS, SAME_SHAPE_CALLS = 4, 48, 64, 192, 3, 5
 
@@ -109,7 +109,7 @@ def compile_forward(device: torch.device, with_cachelife: bool) -> Callable[[zoo
         if with_cachelife:
             cachelife.enable(built.model)
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        built.model.forward = torch.compile(built.model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+        cachelife.compile_forward(built.model, mode=mode, fullgraph=True)
 
     return prepare
 
@@ -189,7 +189,7 @@ def main() -> int:
     parser.add_argument("--models", default="t5-small,bart-small,whisper-small,llama-small")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
-    device = resolve_device(args.device)
+    device = pick_device(args.device)
     record = {
         **header("decode", device),
         "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "dtype": "float32"},

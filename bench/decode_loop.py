@@ -29,7 +29,7 @@ from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
 from cachelife import zoo
 from cachelife.decode import decode
-from cachelife.recipe import resolve_device
+from cachelife.recipe import pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS = 4, 48, 64, 192, 3
 
@@ -76,7 +76,7 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call:
     compiled.generation_config.eos_token_id = None
     cachelife.enable(compiled)
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    compiled.forward = torch.compile(compiled.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+    cachelife.compile_forward(compiled, mode=mode, fullgraph=True)
 
     def generate(tokens: int) -> torch.Tensor:
         return zoo.generate_tokens(
@@ -123,7 +123,7 @@ def main() -> int:
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     steps = [int(value) for value in args.steps_per_call.split(",")]
-    device = resolve_device(args.device)
+    device = pick_device(args.device)
     record: dict[str, Any] = {
         **header("decode-loop", device),
         "settings": {"model": args.model, "batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG]},

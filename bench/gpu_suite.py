@@ -268,8 +268,10 @@ def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-smal
 
 
 def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict[str, Any]:
-    """FACTS.md's hand-pinned probe (probe2.py t5_gen_marginal, carried in .device/probe), in fresh processes
-    with static-input logging, to catch the intermittent 'skipping cudagraphs due to mutated inputs'."""
+    """The baseline measured before cachelife (caches pinned by hand, t5-small-shaped, compiled forward): an
+    external measurement script, not part of this repository (probe2.py t5_gen_marginal, carried in
+    .device/probe when available), in fresh processes with static-input logging, to catch the intermittent
+    'skipping cudagraphs due to mutated inputs'."""
     script = ROOT / ".device" / "probe" / "probe2.py"
     if not script.exists():
         return {"skipped": "no .device/probe/probe2.py carried"}

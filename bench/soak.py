@@ -23,7 +23,7 @@ import torch
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from cachelife import zoo
-from cachelife.recipe import CudaGraphHealth, resolve_device
+from cachelife.recipe import CudaGraphHealth, pick_device
 
 WARMUP = 10
 
@@ -55,7 +55,7 @@ def soak(model_name: str, device: torch.device, calls: int, compile_forward: boo
     cachelife.enable(model)
     if compile_forward:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+        cachelife.compile_forward(model, mode=mode, fullgraph=True)
     equal, seconds, samples = [], [], {}
     start = CudaGraphHealth.now()
     for index, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="compile model.forward (CUDA graphs on a GPU)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
-    device = resolve_device(args.device)
+    device = pick_device(args.device)
     record = {**header("soak", device), "result": soak(args.model, device, args.calls, args.compile, args.new_tokens)}
     path = results_path(args.out, "soak-compiled" if args.compile else "soak", device)
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -37,7 +37,7 @@ from transformers import DistributedConfig, PreTrainedModel  # noqa: E402
 
 import cachelife  # noqa: E402
 from cachelife import zoo  # noqa: E402
-from cachelife.integration import find_cache  # noqa: E402
+from cachelife.call_arguments import find_cache  # noqa: E402
 from cachelife.layer_lifecycle import Filled, Pinned  # noqa: E402
 
 
@@ -77,12 +77,11 @@ def compiled_attempts(
     tp_eager: torch.Tensor,
 ) -> list[dict[str, Any]]:
     """Compile `model.forward` in each mode in turn until one runs every call; report each attempt."""
-    eager_forward = model.forward
     attempts = []
     for mode in modes:
         torch._dynamo.reset()
         first_forward.clear()
-        model.forward = torch.compile(eager_forward, mode=mode)  # type: ignore[method-assign]
+        cachelife.compile_forward(model, mode=mode)
         skips = int(counters["inductor"]["cudagraph_skips"])
         attempt: dict[str, Any] = {"mode": mode, "calls": [], "error": None}
         try:
@@ -104,7 +103,7 @@ def compiled_attempts(
         attempts.append(attempt)
         if attempt["error"] is None:
             break
-    model.forward = eager_forward  # type: ignore[method-assign]
+    cachelife.restore_forward(model)
     return attempts
 
 

@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 import cachelife
 from cachelife import zoo
 from cachelife.buffers import PinSpec
+from cachelife.call_arguments import cache_argument_name
 from cachelife.errors import (
     CacheShapeError,
     CompiledRegionError,
@@ -23,7 +24,6 @@ from cachelife.errors import (
     UnpinnedCacheError,
     UnsupportedCacheError,
 )
-from cachelife.integration import cache_argument_name
 from cachelife.layer_lifecycle import LayerState
 
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 4, "min_new_tokens": 4}

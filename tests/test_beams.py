@@ -21,8 +21,9 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLay
 import cachelife
 from cachelife import reorder, skips, zoo
 from cachelife.cache_lifecycle import CacheLifecycle
+from cachelife.call_arguments import cache_argument_name, find_cache
 from cachelife.errors import ReplacedBuffersError
-from cachelife.integration import cache_argument_name, find_cache
+from cachelife.guard import OnUnpinned
 from cachelife.layer_lifecycle import Filled, Pinned
 
 NEW_TOKENS = 7
@@ -225,7 +226,7 @@ class ReplacesKeysAtStep:
             layer.keys = layer.keys.clone()
 
 
-def _replacing_run(on_unpinned: cachelife.integration.OnUnpinned) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+def _replacing_run(on_unpinned: OnUnpinned) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     built = zoo.build("llama")
     model = built.model
     inputs = built.inputs(2, 5, 4)

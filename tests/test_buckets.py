@@ -21,9 +21,9 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from cachelife import zoo
 from cachelife.buckets import BUCKETABLE_MODEL_TYPES, bucket_length, check_buckets
+from cachelife.call_arguments import find_cache
 from cachelife.decode import decode
 from cachelife.errors import InvalidBucketsError, UnsupportedGenerationError
-from cachelife.integration import find_cache
 
 NEW_TOKENS = 6
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}
@@ -295,7 +295,7 @@ def test_invalid_buckets_are_refused_and_change_nothing(bad: object, detail: str
     model = zoo.build("t5").model
     before = dict(model.__dict__)
     with pytest.raises(InvalidBucketsError, match="strictly increasing sequence of positive ints") as raised:
-        cachelife.enable(model, encoder_buckets=bad)  # type: ignore[arg-type]
+        cachelife.enable(model, encoder_buckets=bad)  # type: ignore[arg-type]  # the misuse under test
     assert detail in str(raised.value)
     assert isinstance(raised.value, ValueError)
     assert dict(model.__dict__) == before
@@ -398,7 +398,7 @@ def test_compiled_forward_recompiles_nothing_within_a_bucket_and_equals_eager() 
     other = ragged(built, 2, 12, 12)
     other_expected = reference(model, other)
     cachelife.enable(model, encoder_buckets=(16, 32))
-    model.forward = torch.compile(model.forward, fullgraph=True)  # type: ignore[method-assign]
+    cachelife.compile_forward(model, fullgraph=True)
     graphs = []
     for inputs, tokens in zip(cases, expected, strict=True):
         assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS, cache_implementation="static"), tokens)

@@ -61,7 +61,7 @@ def test_pin_all_with_separate_self_and_cross_shapes() -> None:
     state = cachelife.lifecycle(cache)
     pin(state)
     state.require_pinned()
-    shapes = [(layer.role, layer.state.buffers.key_shape, layer.state.buffers.value_shape) for layer in state.layers]  # type: ignore[union-attr]
+    shapes = [(layer.role, layer.buffers.key_shape, layer.buffers.value_shape) for layer in state.layers]
     assert shapes == [
         ("self", (3, 4, 10, 16), (3, 4, 10, 16)),
         ("self", (3, 4, 10, 16), (3, 4, 10, 16)),
@@ -137,12 +137,12 @@ def test_reset_and_release_whole_cache() -> None:
     cache = encoder_decoder_cache()
     state = cachelife.lifecycle(cache)
     pin(state)
-    pointers = [layer.state.buffers.data_ptrs for layer in state.layers]  # type: ignore[union-attr]
+    pointers = [layer.buffers.data_ptrs for layer in state.layers]
     state.fill(FillRecord("test"), cross=False)
     assert [type(layer.state) for layer in state.layers] == [Filled, Filled, Pinned, Pinned]
     state.reset()
     assert all(isinstance(layer.state, Pinned) for layer in state.layers)
-    assert [layer.state.buffers.data_ptrs for layer in state.layers] == pointers  # type: ignore[union-attr]
+    assert [layer.buffers.data_ptrs for layer in state.layers] == pointers
     state.release()
     assert all(isinstance(layer.state, Unallocated) for layer in state.layers)
     assert not static_parts(cache)[1].layers[0].is_initialized

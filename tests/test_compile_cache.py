@@ -105,7 +105,7 @@ def test_generate_on_an_enabled_model_compiles_in_cachelifes_namespace(use_cache
         cachelife.enable(model)
     backend = TagAtCompileTime()
     torch._dynamo.reset()
-    model.forward = torch.compile(model.forward, backend=backend)  # type: ignore[method-assign]
+    cachelife.compile_forward(model, backend=backend)
     tokens = zoo.generate_tokens(model, inputs, max_new_tokens=4, do_sample=False, cache_implementation="static")
     assert torch.equal(tokens, expected)
     assert backend.tags, "nothing was compiled"

@@ -15,7 +15,7 @@ from transformers import CompileConfig
 
 import cachelife
 from cachelife import zoo
-from cachelife.integration import find_cache
+from cachelife.call_arguments import find_cache
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_compiled_forward_generation_equals_eager(name: str) -> None:
     expected = zoo.generate_tokens(model, inputs, **SETTINGS, disable_compile=True)
     cachelife.enable(model)
     states = FirstForwardStates(model)
-    model.forward = torch.compile(model.forward, fullgraph=True)  # type: ignore[method-assign]
+    cachelife.compile_forward(model, fullgraph=True)
     for _ in range(2):
         tokens = zoo.generate_tokens(model, inputs, **SETTINGS, cache_implementation="static")
         assert torch.equal(tokens, expected)

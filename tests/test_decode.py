@@ -8,7 +8,7 @@ import torch
 import cachelife
 from cachelife import zoo
 from cachelife.decode import decode
-from cachelife.errors import UnsupportedGenerationError
+from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
 
 NAMES = ["t5", "bart", "whisper", "llama"]
 
@@ -23,7 +23,9 @@ def expected(built: zoo.ZooModel, inputs: zoo.Inputs, tokens: int) -> torch.Tens
     out = zoo.generate_tokens(built.model, inputs, do_sample=False, max_new_tokens=tokens)
     # Whisper's generate drops the decoder start token from what it returns; decode keeps it, as T5 and BART's do.
     if built.model.config.model_type == "whisper":
-        start = torch.full_like(out[:, :1], built.model.generation_config.decoder_start_token_id)  # type: ignore[arg-type]
+        start_id = built.model.generation_config.decoder_start_token_id
+        assert isinstance(start_id, int)
+        start = torch.full_like(out[:, :1], start_id)
         out = torch.cat([start, out], dim=1)
     return out
 
@@ -97,11 +99,12 @@ def test_settings_it_does_not_implement_are_refused() -> None:
     with pytest.raises(UnsupportedGenerationError, match="no_repeat_ngram_size"):
         decode(built.model, built.inputs(1, 5, 1), max_new_tokens=3)
     llama = neutral("llama")
-    with pytest.raises(ValueError, match=r"sampling needs a seeded torch\.Generator"):
+    with pytest.raises(InvalidArgumentError, match=r"sampling needs a seeded torch\.Generator") as raised:
         decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=3, do_sample=True)
-    with pytest.raises(ValueError, match="max_new_tokens, stop_check_every and steps_per_call must be >= 1"):
+    assert isinstance(raised.value, ValueError)
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens, stop_check_every and steps_per_call must be ints"):
         decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=0)
-    with pytest.raises(ValueError, match=r"must be >= 1, got 3, 16 and 0"):
+    with pytest.raises(InvalidArgumentError, match=r"must be ints >= 1, got 3, 16 and 0"):
         decode(llama.model, llama.inputs(1, 5, 1), max_new_tokens=3, steps_per_call=0)
 
 

@@ -13,7 +13,7 @@ from transformers.cache_utils import StaticCache
 
 import cachelife
 from cachelife import buffers, zoo
-from cachelife.integration import cache_argument_name
+from cachelife.call_arguments import cache_argument_name
 from cachelife.layer_lifecycle import Filled, Pinned
 
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 6, "min_new_tokens": 6}
@@ -68,7 +68,7 @@ def test_a_callers_cache_after_a_fault_is_filled_and_reset_makes_it_reusable() -
     cachelife.enable(model)
     cache = cachelife.prepare_static_cache(model, batch_size=2, max_cache_len=32)
     assert isinstance(cache, StaticCache)
-    pointers = [layer.state.buffers.data_ptrs for layer in cachelife.lifecycle(cache).layers]  # type: ignore[union-attr]
+    pointers = [layer.buffers.data_ptrs for layer in cachelife.lifecycle(cache).layers]
     undo = fail_at_step(model, 3, lambda: Injected("at step 3"))
     with pytest.raises(Injected):
         zoo.generate_tokens(model, inputs, **SETTINGS, **{cache_argument_name(model): cache})
@@ -80,7 +80,7 @@ def test_a_callers_cache_after_a_fault_is_filled_and_reset_makes_it_reusable() -
     assert int(cache.layers[0].cumulative_length) > 0
     state.reset()
     assert all(isinstance(layer.state, Pinned) for layer in state.layers)
-    assert [layer.state.buffers.data_ptrs for layer in state.layers] == pointers  # type: ignore[union-attr]
+    assert [layer.buffers.data_ptrs for layer in state.layers] == pointers
     assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS, **{cache_argument_name(model): cache}), expected)
 
 

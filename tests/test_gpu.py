@@ -25,8 +25,9 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife import zoo
 from cachelife.buffers import PinSpec
+from cachelife.call_arguments import cache_argument_name
 from cachelife.errors import CompiledRegionError
-from cachelife.integration import _DecodingGuard, cache_argument_name
+from cachelife.guard import DecodingGuard
 
 pytestmark = pytest.mark.gpu
 
@@ -156,7 +157,7 @@ def test_boundary_checks_never_synchronise_with_the_device() -> None:
     model = built.model
     cache = cachelife.prepare_static_cache(model, batch_size=2, max_cache_len=16, encoder_length=9)
     assert isinstance(cache, EncoderDecoderCache)
-    guard = _DecodingGuard(on_unpinned="pin", pool=None)
+    guard = DecodingGuard(on_unpinned="pin", pool=None)
     inputs = built.inputs(2, 9, 1)
     with torch.no_grad():
         encoder_outputs = model.get_encoder()(**inputs)

@@ -17,8 +17,9 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLay
 import cachelife
 from cachelife import zoo
 from cachelife.cache_lifecycle import CacheLifecycle, static_parts
-from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.integration import cache_argument_name, find_cache
+from cachelife.call_arguments import cache_argument_name, find_cache
+from cachelife.compiled import eager_forward, is_compiled
+from cachelife.errors import CacheShapeError, InvalidArgumentError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.layer_lifecycle import Filled, Pinned
 from cachelife.shapes import CacheShapes, LayerShape
 
@@ -158,7 +159,7 @@ def test_boundary_pins_a_cache_replaced_after_preparation_and_warns(caplog: pyte
         tokens = zoo.generate_tokens(built.model, inputs, **SETTINGS, cache_implementation="static")
     assert torch.equal(tokens, expected)
     assert recorder.states == [["Pinned"] * 4]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "cachelife.integration"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cachelife.guard"]
     assert len(warnings) == 1
     assert "layer 0 (cross-attention), layer 1 (cross-attention)" in warnings[0]
     assert "pinned there" in warnings[0]
@@ -215,7 +216,7 @@ def test_prepare_static_cache_is_pinned_and_generates_like_eager(name: str) -> N
         _, _, cross = static_parts(cache)
         assert cross is not None
         assert all(type(layer) is StaticLayer for layer in cross.layers)
-        assert {layer.state.buffers.key_shape[2] for layer in state.cross_attention} == {encoder_length}  # type: ignore[union-attr]
+        assert {layer.buffers.key_shape[2] for layer in state.cross_attention} == {encoder_length}
     cachelife.enable(model)  # so that the forward calls record the content they write
     tokens = zoo.generate_tokens(model, inputs, **SETTINGS, **{cache_argument_name(model): cache})
     assert torch.equal(tokens, expected)
@@ -232,7 +233,7 @@ def test_prepare_static_cache_checks_its_arguments() -> None:
         cachelife.prepare_static_cache(t5, batch_size=2, max_cache_len=8)
     with pytest.raises(CacheShapeError, match="decoder-only"):
         cachelife.prepare_static_cache(llama, batch_size=2, max_cache_len=8, encoder_length=3)
-    for bad in (0, -1, 2.5, True):
+    for bad in (0, -1, 2.5, True):  # wrong values, and wrong types on purpose
         with pytest.raises(CacheShapeError, match="batch_size must be a positive int"):
             cachelife.prepare_static_cache(llama, batch_size=bad, max_cache_len=8)  # type: ignore[arg-type]
     with pytest.raises(CacheShapeError, match="max_cache_len must be a positive int"):
@@ -279,7 +280,7 @@ def test_disable_restores_an_instance_attribute_that_was_there_before() -> None:
 
 def test_enable_refuses_what_it_cannot_guard() -> None:
     with pytest.raises(UnsupportedCacheError, match="needs a transformers generation model"):
-        cachelife.enable(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+        cachelife.enable(torch.nn.Linear(2, 2))  # type: ignore[arg-type]  # the misuse under test
     model = zoo.build("t5").model
     model.config.model_type = "unknown-seq2seq"
     before = dict(model.__dict__)
@@ -288,8 +289,9 @@ def test_enable_refuses_what_it_cannot_guard() -> None:
     ):
         cachelife.enable(model)
     assert dict(model.__dict__) == before
-    with pytest.raises(ValueError, match="on_unpinned must be 'pin' or 'raise'"):
-        cachelife.enable(model, on_unpinned="ignore")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="on_unpinned must be 'pin' or 'raise'") as raised:
+        cachelife.enable(model, on_unpinned="ignore")  # type: ignore[arg-type]  # the misuse under test
+    assert isinstance(raised.value, ValueError)
 
 
 class DeclaredT5(T5ForConditionalGeneration):
@@ -366,3 +368,20 @@ def test_a_latent_attention_model_pins_key_and_value_dims_that_differ_and_equals
     assert [[(batch, heads, keys, values) for batch, heads, _, keys, values in layers] for layers in seen] == [
         [(2, 1, 16, 8)] * 3
     ]
+
+
+def test_compile_forward_installs_one_compiled_forward_and_restore_forward_undoes_it() -> None:
+    model = zoo.build("llama").model
+    eager = model.forward
+    compiled = cachelife.compile_forward(model, backend="eager", fullgraph=True)
+    assert model.forward is compiled
+    assert is_compiled(model.forward)
+    assert eager_forward(model) == eager
+    again = cachelife.compile_forward(model, backend="eager")
+    assert model.forward is again
+    assert again is not compiled
+    assert eager_forward(model) == eager  # compiled from the eager forward, not wrapped around the first one
+    cachelife.restore_forward(model)
+    assert "forward" not in model.__dict__
+    assert model.forward == eager
+    assert not is_compiled(model.forward)

@@ -19,7 +19,13 @@ from transformers.cache_utils import (
 import cachelife
 from cachelife import buffers, zoo
 from cachelife.buffers import PinSpec
-from cachelife.errors import CompiledRegionError, IllegalTransitionError, ReplacedBuffersError, UnsupportedCacheError
+from cachelife.errors import (
+    CompiledRegionError,
+    IllegalTransitionError,
+    ReplacedBuffersError,
+    UnpinnedCacheError,
+    UnsupportedCacheError,
+)
 from cachelife.layer_lifecycle import (
     TRANSITIONS,
     Event,
@@ -84,7 +90,7 @@ def test_documented_path_walk_through() -> None:
 
     tracked.pin(SPEC)
     check_whole_state(tracked, layer, Pinned)
-    pinned_ptrs = tracked.state.buffers.data_ptrs  # type: ignore[union-attr]
+    pinned_ptrs = tracked.buffers.data_ptrs
 
     write(layer)
     tracked.fill(FillRecord("test", positions=2, compiled=False))
@@ -93,7 +99,7 @@ def test_documented_path_walk_through() -> None:
 
     tracked.reset()
     check_whole_state(tracked, layer, Pinned)
-    assert tracked.state.buffers.data_ptrs == pinned_ptrs  # type: ignore[union-attr]
+    assert tracked.buffers.data_ptrs == pinned_ptrs
 
     write(layer, 3)
     tracked.fill(FillRecord("test"))
@@ -221,6 +227,35 @@ def test_replaced_buffers_are_detected_on_reset() -> None:
     with pytest.raises(ReplacedBuffersError, match="replaced outside cachelife"):
         tracked.reset()
     assert isinstance(tracked.state, Filled)
+
+
+def test_buffers_of_a_pinned_layer_and_refusal_for_an_unpinned_one() -> None:
+    tracked, layer = fresh()
+    with pytest.raises(UnpinnedCacheError, match=r"layer 4 \(self-attention\) is Unallocated and holds no pinned"):
+        _ = tracked.buffers
+    pinned = tracked.pin(SPEC)
+    assert tracked.buffers == pinned.buffers
+    assert tracked.buffers.data_ptrs == tuple((name, t.data_ptr()) for name, t in buffers.static_tensors(layer))
+    write(layer)
+    filled = tracked.fill(FillRecord("test", 2))
+    assert tracked.buffers == filled.buffers == pinned.buffers
+    tracked.release()
+    with pytest.raises(UnpinnedCacheError, match="is Unallocated"):
+        _ = tracked.buffers
+
+
+def test_check_raises_what_the_transition_would_and_changes_nothing() -> None:
+    tracked, layer = reach(Filled)
+    layer.keys = torch.zeros(2, 3, MAX_LEN, 5)
+    before = tracked.state
+    with pytest.raises(ReplacedBuffersError):
+        tracked.check("reset")
+    with pytest.raises(IllegalTransitionError, match="cannot pin layer 4"):
+        tracked.check("pin")
+    tracked.check("release")  # releasing replaced buffers is allowed: it is the way out
+    assert tracked.state == before
+    assert layer.keys is not None
+    assert layer.is_initialized
 
 
 def test_adoption_reads_existing_buffers() -> None:

@@ -23,8 +23,9 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
 import cachelife
 from cachelife import placement, zoo
+from cachelife.call_arguments import cache_argument_name
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
-from cachelife.integration import _check_call_fits, cache_argument_name
+from cachelife.guard import check_call_fits
 from cachelife.layer_lifecycle import Filled, Pinned
 from cachelife.shapes import CacheShapes, LayerShape, per_rank_shapes
 
@@ -143,15 +144,15 @@ def test_the_boundary_checks_each_layer_against_its_own_device(monkeypatch: pyte
     fake_layer_devices(monkeypatch, ["cpu", "meta"])
     per_layer = StaticCache(config=model.config, max_cache_len=16)
     cachelife.pin_for_model(per_layer, model, batch_size=2)
-    _check_call_fits(cachelife.lifecycle(per_layer), model, {**step, cache_argument_name(model): per_layer})
+    check_call_fits(cachelife.lifecycle(per_layer), model, {**step, cache_argument_name(model): per_layer})
     one_device = StaticCache(config=model.config, max_cache_len=16)
     cachelife.lifecycle(one_device).pin(
         batch_size=2, shapes=cachelife.model_cache_shapes(model), dtype=torch.float32, device="cpu"
     )
     with pytest.raises(
-        CacheShapeError, match=r"layer 1 \(self-attention\) .* holds torch.float32 on cpu but .* on meta there"
+        CacheShapeError, match=r"layer 1 \(self-attention\) does not fit .* holds device 'cpu' where 'meta' is needed"
     ):
-        _check_call_fits(cachelife.lifecycle(one_device), model, step)
+        check_call_fits(cachelife.lifecycle(one_device), model, step)
 
 
 # -- CPU: tensor-parallel head arithmetic ----------------------------------------------------------------
@@ -273,7 +274,7 @@ def test_device_map_over_two_gpus_pins_each_layer_on_its_device_and_equals_eager
     torch._dynamo.reset()
     skips_before = int(counters["inductor"]["cudagraph_skips"])
     # accelerate's device hooks wrap every layer's forward in Python; no fullgraph across them.
-    model.forward = torch.compile(model.forward, mode=mode)  # type: ignore[method-assign]
+    cachelife.compile_forward(model, mode=mode)
     for _ in range(2):
         tokens = zoo.generate_tokens(model, inputs, **SETTINGS, cache_implementation="static")
         assert torch.equal(tokens.cpu(), expected.cpu())

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, StaticCache, cache_utils
 import cachelife
 from cachelife import buffers
 from cachelife.buffers import PinSpec
-from cachelife.errors import CacheShapeError, IllegalTransitionError, UnsupportedCacheError
+from cachelife.errors import CacheShapeError, IllegalTransitionError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.layer_lifecycle import TRANSITIONS, Event, FillRecord, LayerLifecycle, NoStorage
 from cachelife.recipe import lifecycle_table
 from cachelife.shapes import decoder_only_shapes, storage_less_layers
@@ -85,6 +85,8 @@ def test_a_dummy_layer_is_adopted_as_no_storage_and_every_transition_is_illegal(
     assert layer.values is None
     with pytest.raises(UnsupportedCacheError, match=r"is a DummyLayer, not a StaticLayer"):
         _ = tracked.layer
+    with pytest.raises(UnpinnedCacheError, match=r"layer 1 \(self-attention, no storage\) is NoStorage .*DummyLayer"):
+        _ = tracked.buffers
 
 
 @needs_dummy_layer

@@ -12,7 +12,8 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife import buffers, reorder, zoo
 from cachelife.buffers import PinSpec
-from cachelife.integration import find_cache
+from cachelife.call_arguments import find_cache
+from cachelife.errors import InvalidArgumentError
 from cachelife.layer_lifecycle import Pinned
 from cachelife.pool import CachePool, pool_key
 
@@ -37,7 +38,7 @@ class Addresses:
         for layer in state.layers:
             assert isinstance(layer.state, Pinned)  # every call starts from empty, pinned buffers
             assert not any(bool(t.any()) for _, t in buffers.static_tensors(layer.layer))
-            pointers.append(layer.state.buffers.data_ptrs)
+            pointers.append(layer.buffers.data_ptrs)
         self.seen.append(tuple(pointers))
 
 
@@ -106,7 +107,7 @@ def test_pool_off() -> None:
     built = zoo.build("llama")
     cachelife.enable(built.model, pool_bytes=0)
     assert cachelife.pool_of(built.model) is None
-    with pytest.raises(ValueError, match="pool_bytes must be an int >= 0"):
+    with pytest.raises(InvalidArgumentError, match=r"pool_bytes must be an int >= 0 \(0 turns the pool off\)"):
         cachelife.enable(built.model, pool_bytes=-1, on_unpinned="raise")
     guard = built.model.__dict__["_cachelife_guard"]
     assert guard.on_unpinned == "pin"  # the refused call changed nothing

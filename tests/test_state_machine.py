@@ -22,8 +22,8 @@ import cachelife
 from cachelife import buffers, zoo
 from cachelife.buffers import PinSpec
 from cachelife.cache_lifecycle import CacheLifecycle, static_parts
+from cachelife.call_arguments import cache_argument_name
 from cachelife.errors import CacheShapeError, IllegalTransitionError, UnpinnedCacheError
-from cachelife.integration import cache_argument_name
 from cachelife.layer_lifecycle import TRANSITIONS, Event, Filled, FillRecord, LayerLifecycle, Pinned, Unallocated
 
 CPU = torch.device("cpu")
@@ -86,7 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert legal, f"{event} from {type(before).__name__} should have raised"
         if event == "pin":
-            self.pinned_at[id(layer)] = layer.state.buffers.data_ptrs  # type: ignore[union-attr]
+            self.pinned_at[id(layer)] = layer.buffers.data_ptrs
         if event == "release":
             self.pinned_at.pop(id(layer), None)
 
@@ -125,7 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
         unallocated = [layer for layer in self.state.layers if isinstance(layer.state, Unallocated)]
         self.state.pin(batch_size=2, shapes=shapes, dtype=torch.float32, device=CPU)
         for layer in unallocated:
-            self.pinned_at[id(layer)] = layer.state.buffers.data_ptrs  # type: ignore[union-attr]
+            self.pinned_at[id(layer)] = layer.buffers.data_ptrs
         self.state.require_pinned()
 
     @rule(batch=st.sampled_from([1, 3]))
@@ -143,7 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
             # Nothing was pinned before: every layer is now pinned at the new batch.
             assert not any(state_is_pinned for state_is_pinned in (isinstance(s, Pinned | Filled) for s in before))
             for layer in self.state.layers:
-                self.pinned_at[id(layer)] = layer.state.buffers.data_ptrs  # type: ignore[union-attr]
+                self.pinned_at[id(layer)] = layer.buffers.data_ptrs
             self.state.release()
             self.pinned_at.clear()
 
@@ -204,7 +204,7 @@ class ModelMachine(RuleBasedStateMachine):
         cache = cachelife.prepare_static_cache(self.model, batch_size=2, max_cache_len=12)
         assert isinstance(cache, StaticCache)
         self.cache = cache
-        self.pinned_at = {id(layer): layer.state.buffers.data_ptrs for layer in cachelife.lifecycle(cache).layers}  # type: ignore[union-attr]
+        self.pinned_at = {id(layer): layer.buffers.data_ptrs for layer in cachelife.lifecycle(cache).layers}
 
     @rule(on_unpinned=st.sampled_from(["pin", "raise"]))
     def enable(self, on_unpinned: Any) -> None:
@@ -242,7 +242,7 @@ class ModelMachine(RuleBasedStateMachine):
             self.model(input_ids=ids, **{cache_argument_name(self.model): cache})
         if enabled:
             for layer in state.layers:
-                self.pinned_at.setdefault(id(layer), layer.state.buffers.data_ptrs)  # type: ignore[union-attr]
+                self.pinned_at.setdefault(id(layer), layer.buffers.data_ptrs)
                 assert isinstance(layer.state, Filled)
         else:
             # Unobserved writes: the lifecycle keeps its last state; reset makes it true again.

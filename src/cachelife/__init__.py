@@ -8,11 +8,14 @@ caches for your own loops; `lifecycle(cache)` shows and drives the states of any
 from cachelife.buffers import Buffers, PinSpec
 from cachelife.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
 from cachelife.compile_cache import pinned_compile_cache
+from cachelife.compiled import compile_forward, restore_forward
+from cachelife.enabling import CacheLifecycleMixin, disable, enable, is_enabled, pool_of, release_pool
 from cachelife.errors import (
     CacheLifecycleError,
     CacheShapeError,
     CompiledRegionError,
     IllegalTransitionError,
+    InvalidArgumentError,
     InvalidBucketsError,
     ReplacedBuffersError,
     UnmarkedBuffersError,
@@ -20,18 +23,18 @@ from cachelife.errors import (
     UnsupportedCacheError,
     UnsupportedGenerationError,
 )
-from cachelife.integration import (
-    CacheLifecycleMixin,
-    disable,
-    enable,
-    is_enabled,
-    pin_for_model,
-    pool_of,
-    prepare_static_cache,
-    release_pool,
+from cachelife.layer_lifecycle import (
+    TRANSITIONS,
+    Filled,
+    FillRecord,
+    LayerLifecycle,
+    LayerState,
+    NoStorage,
+    Pinned,
+    Unallocated,
 )
-from cachelife.layer_lifecycle import TRANSITIONS, Filled, FillRecord, LayerLifecycle, LayerState, Pinned, Unallocated
 from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
+from cachelife.pinning import pin_for_model, prepare_static_cache
 from cachelife.pool import CachePool
 from cachelife.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, infer_cache_shapes, model_cache_shapes
 
@@ -51,10 +54,12 @@ __all__ = [
     "FillRecord",
     "Filled",
     "IllegalTransitionError",
+    "InvalidArgumentError",
     "InvalidBucketsError",
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
+    "NoStorage",
     "PinSpec",
     "Pinned",
     "ReplacedBuffersError",
@@ -64,6 +69,7 @@ __all__ = [
     "UnsupportedCacheError",
     "UnsupportedGenerationError",
     "__version__",
+    "compile_forward",
     "configure_from_environment",
     "disable",
     "disable_debug_logging",
@@ -79,6 +85,7 @@ __all__ = [
     "pool_of",
     "prepare_static_cache",
     "release_pool",
+    "restore_forward",
 ]
 
 configure_from_environment()

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from cachelife.errors import CacheShapeError, InvalidBucketsError, UnsupportedGenerationError
+from cachelife.validate import is_int_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def check_buckets(value: object) -> Buckets:
         raise InvalidBucketsError(msg)
     lengths: list[int] = []
     for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+        if not is_int_at_least(item, 1):
             msg = f"encoder_buckets must be {expected}, got {value!r} (the entry {item!r} is no positive int)"
             raise InvalidBucketsError(msg)
         lengths.append(item)

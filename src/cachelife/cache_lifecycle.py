@@ -2,14 +2,16 @@
 
 `lifecycle(cache)` returns the one `CacheLifecycle` of a cache (kept while the cache lives, never keeping it
 alive). Operations here apply a layer transition to every layer that needs it, all or nothing: they check
-every layer first and undo their own work if a later layer fails.
+every layer first (`LayerLifecycle.check`, and `cachelife.fit` for pin requests) and change a layer only when
+every check passed. Should acting still fail part way (out of memory while pinning), `pin` releases what the
+same call pinned.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TypeAlias
+from typing import TypeAlias, TypeGuard
 
 import torch
 from attrs import define, field
@@ -18,6 +20,7 @@ from typing_extensions import TypeIs
 
 from cachelife.buffers import PinSpec
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
+from cachelife.fit import Need, check_fits
 from cachelife.layer_lifecycle import (
     Filled,
     FillRecord,
@@ -28,7 +31,9 @@ from cachelife.layer_lifecycle import (
     Unallocated,
     transitions_so_far,
 )
+from cachelife.placement import resolve_device
 from cachelife.shapes import CacheShapes, LayerShape
+from cachelife.validate import check_int
 
 ManagedCache: TypeAlias = StaticCache | EncoderDecoderCache
 Devices: TypeAlias = torch.device | str | Sequence[torch.device | str]
@@ -44,13 +49,15 @@ def is_encoder_decoder_cache(cache: object) -> TypeIs[EncoderDecoderCache]:
     return isinstance(cache, EncoderDecoderCache)
 
 
-def is_static_encoder_decoder_cache(cache: object) -> TypeIs[EncoderDecoderCache]:
-    """Whether `cache` is an `EncoderDecoderCache` whose self-attention cache is static."""
+def is_static_encoder_decoder_cache(cache: object) -> TypeGuard[EncoderDecoderCache]:
+    """Whether `cache` is an `EncoderDecoderCache` whose self-attention cache is static. A `TypeGuard`, not a
+    `TypeIs`: it is False for an `EncoderDecoderCache` of dynamic caches, so False says nothing about the type."""
     return is_encoder_decoder_cache(cache) and is_static_cache(cache.self_attention_cache)
 
 
-def is_managed_cache(cache: object) -> TypeIs[ManagedCache]:
-    """Whether cachelife manages this cache: a `StaticCache`, or an `EncoderDecoderCache` around one."""
+def is_managed_cache(cache: object) -> TypeGuard[ManagedCache]:
+    """Whether cachelife manages this cache: a `StaticCache`, or an `EncoderDecoderCache` around one (a
+    `TypeGuard`: False for an `EncoderDecoderCache` of dynamic caches)."""
     return is_static_cache(cache) or is_static_encoder_decoder_cache(cache)
 
 
@@ -155,9 +162,7 @@ class CacheLifecycle:
                 f"shapes describe {given[0]} and {given[1]}; build the cache from the same model config"
             )
             raise CacheShapeError(msg)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            msg = f"batch_size must be a positive int, got {batch_size!r}"
-            raise CacheShapeError(msg)
+        check_int("batch_size", batch_size, error=CacheShapeError)
         devices = _per_layer_devices(device, len(self.layers))
         layer_shapes: list[LayerShape] = [*shapes.self_attention, *shapes.cross_attention]
         return [
@@ -183,7 +188,7 @@ class CacheLifecycle:
                 )
                 raise CacheShapeError(msg)
             if spec is not None:
-                _check_matches(layer, spec)
+                check_fits(layer, Need.of_spec(spec), request="pin")
         pinned_here: list[LayerLifecycle] = []
         try:
             for index, (layer, spec) in enumerate(zip(self.layers, specs, strict=True)):
@@ -204,16 +209,29 @@ class CacheLifecycle:
                 layer.fill(record)
 
     def reset(self) -> None:
-        """Empty every pinned layer in place, keeping its addresses; unallocated and `NoStorage` layers stay so."""
-        for layer in self.layers:
-            if layer.is_pinned:
-                layer.reset()
+        """Empty every pinned layer in place, keeping its addresses; unallocated and `NoStorage` layers stay so.
+
+        All or nothing: every pinned layer is checked first (its live tensors are still the recorded ones, else
+        `ReplacedBuffersError`; not inside a compiled region), and no layer is zeroed unless all pass.
+        """
+        pinned = [layer for layer in self.layers if layer.is_pinned]
+        for layer in pinned:
+            layer.check("reset")
+        for layer in pinned:
+            layer.reset()
 
     def release(self) -> None:
-        """Drop every layer's buffers; the cache is back to lazy allocation (`NoStorage` layers stay so)."""
-        for layer in self.layers:
-            if layer.is_pinned:
-                layer.release()
+        """Drop every layer's buffers; the cache is back to lazy allocation (`NoStorage` layers stay so).
+
+        All or nothing: every pinned layer is checked first (it still exists; not inside a compiled region),
+        and none is released unless all pass. Buffers replaced outside cachelife are released like any others:
+        releasing, then pinning again, is the way out of `ReplacedBuffersError`.
+        """
+        pinned = [layer for layer in self.layers if layer.is_pinned]
+        for layer in pinned:
+            layer.check("release")
+        for layer in pinned:
+            layer.release()
 
 
 _REGISTRY: weakref.WeakKeyDictionary[Cache, CacheLifecycle] = weakref.WeakKeyDictionary()
@@ -291,40 +309,6 @@ def _per_layer_devices(device: Devices, count: int) -> list[torch.device]:
         msg = f"got {len(devices)} devices for {count} cache layers; give one device or one per layer"
         raise CacheShapeError(msg)
     return devices
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """The device tensors allocated on `device` report: `cuda` becomes `cuda:<current index>`."""
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def _check_matches(layer: LayerLifecycle, spec: PinSpec) -> None:
-    state = layer.state
-    if not isinstance(state, Pinned | Filled):
-        return
-    have = state.buffers
-    want_keys = (spec.batch_size, spec.num_kv_heads, have.key_shape[2], spec.key_head_dim)
-    want_values = (spec.batch_size, spec.num_kv_heads, have.value_shape[2], spec.value_head_dim)
-    mismatches = [
-        f"{what} {got!r} where {wanted!r} is needed"
-        for what, got, wanted in (
-            ("keys of shape", have.key_shape, want_keys),
-            ("values of shape", have.value_shape, want_values),
-            ("dtype", have.dtype, spec.dtype),
-            ("device", str(have.device), str(spec.device)),
-        )
-        if got != wanted
-    ]
-    if mismatches:
-        msg = (
-            f"{layer.describe()} is already {type(state).__name__} and holds {'; '.join(mismatches)} "
-            "(shape is batch, key/value heads, positions, head dim; generate's batch is batch x "
-            "max(num_beams, num_return_sequences)). Build the cache for this model and call, or release it first."
-        )
-        raise CacheShapeError(msg)
 
 
 def _describe_cache(cache: object) -> str:

@@ -23,7 +23,7 @@ cross-attention cache shape and one compiled step.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -32,9 +32,12 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_encoder_states
+from cachelife.call_arguments import cache_argument_name
 from cachelife.compile_cache import pinned_compile_cache
-from cachelife.errors import UnsupportedGenerationError
-from cachelife.integration import cache_argument_name, pool_of, prepare_static_cache
+from cachelife.enabling import pool_of
+from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+from cachelife.pinning import prepare_static_cache
+from cachelife.validate import is_int_at_least
 
 # Generation-config fields whose logits processors this loop does not apply, with their neutral values.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
@@ -77,15 +80,15 @@ def decode(
     buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     if buckets is not None:
         check_bucketable(model)
-    if min(max_new_tokens, stop_check_every, steps_per_call) < 1:
+    if not all(is_int_at_least(count, 1) for count in (max_new_tokens, stop_check_every, steps_per_call)):
         msg = (
-            "max_new_tokens, stop_check_every and steps_per_call must be >= 1, got "
+            "max_new_tokens, stop_check_every and steps_per_call must be ints >= 1, got "
             f"{max_new_tokens}, {stop_check_every} and {steps_per_call}"
         )
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     if do_sample and generator is None:
         msg = "sampling needs a seeded torch.Generator on the model's device (generator=...)"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     config = model.generation_config
     eos = _eos_ids(config.eos_token_id, model.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
@@ -130,7 +133,15 @@ def _check_generation_config(model: PreTrainedModel) -> None:
 
 
 def _eos_ids(value: object, device: torch.device) -> torch.Tensor:
-    ids = [] if value is None else [value] if isinstance(value, int) else list(value)  # type: ignore[call-overload]
+    if value is None:
+        ids: list[int] = []
+    elif isinstance(value, int):
+        ids = [value]
+    elif isinstance(value, Iterable):
+        ids = [int(item) for item in value]
+    else:
+        msg = f"eos_token_id must be an int, a list of ints or None, got {value!r}"
+        raise UnsupportedGenerationError(msg)
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 

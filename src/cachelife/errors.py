@@ -46,5 +46,9 @@ class UnsupportedGenerationError(CacheLifecycleError, ValueError):
     buckets for a model whose cross-attention would not ignore the padding)."""
 
 
+class InvalidArgumentError(CacheLifecycleError, ValueError):
+    """An argument is outside what the function accepts (a count below 1, an unknown option, ...)."""
+
+
 class InvalidBucketsError(CacheLifecycleError, ValueError):
     """Encoder-length buckets that are not a non-empty, strictly increasing sequence of positive ints."""

@@ -5,8 +5,10 @@ Rules:
   only in its four transition methods (`pin`, `fill`, `reset`, `release`); callers read `.state`.
 - The legal transitions are the table `TRANSITIONS`. An event the table does not list for the current state
   raises `IllegalTransitionError` naming the layer, its role, the state and the fix, and changes nothing.
-- A transition first checks that it is legal, then acts on the buffers (`cachelife.buffers`), then records
-  the new state and logs one DEBUG line. If acting fails, the state stays as it was.
+- A transition first checks everything that can refuse it (`LayerLifecycle.check`: legal, layer alive, not in a
+  compiled region, buffers not replaced), then acts on the buffers (`cachelife.buffers`), then records the new
+  state and logs one DEBUG line. If acting fails, the state stays as it was. Whole-cache operations run every
+  layer's check before they act on any.
 - Buffers are never allocated, marked or dropped inside a compiled or captured region.
 - A layer that stores nothing by design (transformers' `DummyLayer`) is `NoStorage` for its whole life: the
   table lists no event from it, so every transition it is asked for raises; whole-cache operations skip it.
@@ -25,7 +27,7 @@ from transformers.cache_utils import EncoderDecoderCache, StaticLayer
 
 from cachelife import buffers, reorder
 from cachelife.buffers import Buffers, PinSpec
-from cachelife.errors import IllegalTransitionError, UnmarkedBuffersError, UnsupportedCacheError
+from cachelife.errors import IllegalTransitionError, UnmarkedBuffersError, UnpinnedCacheError, UnsupportedCacheError
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +185,20 @@ class LayerLifecycle:
             raise UnsupportedCacheError(msg)
         return layer
 
+    @property
+    def buffers(self) -> Buffers:
+        """The buffers of a pinned layer (`Pinned` or `Filled`) as recorded when it was pinned; any other state
+        raises `UnpinnedCacheError` naming the layer, its role and its state."""
+        state = self._state
+        if isinstance(state, Pinned | Filled):
+            return state.buffers
+        if isinstance(state, NoStorage):
+            fix = "it stores no keys or values (transformers' DummyLayer), so it never holds buffers"
+        else:
+            fix = "pin it first (CacheLifecycle.pin or cachelife.prepare_static_cache)"
+        msg = f"{self.describe()} is {type(state).__name__} and holds no pinned buffers; {fix}"
+        raise UnpinnedCacheError(msg)
+
     def tracks(self, layer: object) -> bool:
         """Whether this lifecycle tracks exactly that layer object."""
         return self._layer() is layer
@@ -244,12 +260,24 @@ class LayerLifecycle:
 
     # -- transitions -------------------------------------------------------------------------------------
 
+    def check(self, event: Event) -> None:
+        """Raise what `event` would raise before it acts, and change nothing: an illegal transition, a layer
+        that no longer exists, a compiled or captured region, or (for reset) buffers replaced outside cachelife
+        (`ReplacedBuffersError`). Whole-cache operations check every layer with it before changing any."""
+        self._check(event)
+        if event == "fill":
+            return
+        layer = self.layer
+        buffers.refuse_in_compiled_region(event, self.describe())
+        state = self._state
+        if event == "reset" and isinstance(state, Pinned | Filled):
+            buffers.check_unreplaced(layer, state.buffers, self.describe())
+
     def pin(self, spec: PinSpec, reuse: Mapping[str, torch.Tensor] | None = None) -> Pinned:
         """Give the layer static buffers at final shape, dtype and device: new ones, or `reuse` (tensors a
         pinned layer of the same shape held, from a pool), zeroed in place at their addresses."""
-        self._check("pin")
+        self.check("pin")
         layer = self.layer
-        buffers.refuse_in_compiled_region("pin", self.describe())
         new = Pinned(buffers.allocate(layer, spec, reuse))
         self._enter("pin", new, origin=" source=new" if reuse is None else " source=pool")
         return new
@@ -257,7 +285,7 @@ class LayerLifecycle:
     def fill(self, record: FillRecord) -> Filled:
         """Record that the pinned buffers now hold content, and what wrote it."""
         state = self._state
-        self._check("fill")
+        self.check("fill")
         if not isinstance(state, Pinned):  # unreachable: the table allows fill from Pinned only
             raise self._illegal("fill")
         new = Filled(state.buffers, record)
@@ -267,23 +295,20 @@ class LayerLifecycle:
     def reset(self) -> Pinned:
         """Empty the buffers in place, keeping every data pointer, so they can be filled again."""
         state = self._state
-        self._check("reset")
+        self.check("reset")
         if not isinstance(state, Pinned | Filled):  # unreachable: see TRANSITIONS
             raise self._illegal("reset")
-        layer = self.layer
-        buffers.refuse_in_compiled_region("reset", self.describe())
-        buffers.zero(layer, state.buffers, self.describe())
+        buffers.zero(self.layer, state.buffers, self.describe())
         self._forget_cross_content()
         new = Pinned(state.buffers)
         self._enter("reset", new)
         return new
 
     def release(self) -> Unallocated:
-        """Drop the buffers; the layer is back to lazy allocation, exactly as transformers builds it."""
-        self._check("release")
-        layer = self.layer
-        buffers.refuse_in_compiled_region("release", self.describe())
-        buffers.drop(layer)
+        """Drop the buffers; the layer is back to lazy allocation, exactly as transformers builds it. Buffers
+        replaced outside cachelife are dropped too: releasing is the way out of `ReplacedBuffersError`."""
+        self.check("release")
+        buffers.drop(self.layer)
         self._forget_cross_content()
         new = Unallocated()
         self._enter("release", new)

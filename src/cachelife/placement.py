@@ -17,11 +17,18 @@ from collections.abc import Mapping
 import torch
 from transformers import PreTrainedModel
 
-from cachelife.cache_lifecycle import resolve_device
 from cachelife.errors import UnsupportedCacheError
 
 # Attribute names under which decoders keep their layer list: BART, Whisper, Llama (`layers`), T5 (`block`).
 _LAYER_LIST_NAMES = ("layers", "block", "h", "layer")
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """The device tensors allocated on `device` report: `cuda` becomes `cuda:<current index>`."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def is_spread_over_devices(model: object) -> bool:

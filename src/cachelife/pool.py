@@ -2,8 +2,9 @@
 
 transformers builds a fresh static cache for every `generate` call. Fresh buffers get new addresses, and
 CUDA-graph trees re-record every graph whose static inputs moved. The pool hands the buffers a cache
-pinned last time to the next cache of the same shape: the new cache's layers are pinned with those
-tensors, zeroed in place (`CacheLifecycle.pin_specs(..., reuse=...)`).
+pinned last time to the next cache of the same shape: `CachePool.pin(cache, specs)` leases a set, pins the
+new cache's layers with those tensors, zeroed in place (`CacheLifecycle.pin_specs(..., reuse=...)`), and
+lends the set to the cache.
 
 A buffer set is leased to one cache at a time and comes back when that cache object is garbage-collected,
 so a cache a caller keeps (returned by `generate(..., return_dict_in_generate=True)`, say) is never
@@ -26,7 +27,8 @@ from attrs import define, field, frozen
 
 from cachelife import buffers
 from cachelife.buffers import PinSpec
-from cachelife.cache_lifecycle import CacheLifecycle
+from cachelife.cache_lifecycle import CacheLifecycle, ManagedCache, lifecycle
+from cachelife.layer_lifecycle import Unallocated
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,26 @@ class CachePool:
     def idle_sets(self) -> int:
         with self._lock:
             return len(self._idle)
+
+    def pin(self, cache: ManagedCache, specs: Sequence[PinSpec | None]) -> CacheLifecycle:
+        """Pin `cache` for `specs` (one per layer, as `CacheLifecycle.pin_specs` takes them) with the buffers
+        of an idle set of the same shape if there is one, else new ones, and lend that set to the cache until
+        it is garbage-collected. If pinning fails, a leased set goes back idle. A cache with a layer pinned
+        already is pinned without the pool: its buffers are not one set."""
+        state = lifecycle(cache)
+        if not all(isinstance(layer.state, Unallocated) for layer in state.storage_layers):
+            state.pin_specs(specs)
+            return state
+        key = pool_key(state, specs)
+        entry = self.lease(key)
+        try:
+            state.pin_specs(specs, None if entry is None else entry.tensors)
+        except BaseException:
+            if entry is not None:
+                self.give_back(entry)
+            raise
+        self.lend(cache, entry if entry is not None else BufferSet.of(key, state))
+        return state
 
     def lease(self, key: PoolKey) -> BufferSet | None:
         """Take the most recently returned idle set of this shape, if any.

@@ -27,7 +27,9 @@ from transformers import CompileConfig
 
 from cachelife import zoo
 from cachelife.cache_lifecycle import CacheLifecycle, lifecycle
-from cachelife.integration import enable, find_cache
+from cachelife.call_arguments import find_cache
+from cachelife.compiled import compile_forward
+from cachelife.enabling import enable
 from cachelife.layer_lifecycle import Filled, Pinned
 
 CompileMode: TypeAlias = Literal["forward", "auto"]
@@ -117,8 +119,8 @@ def lifecycle_table(state: CacheLifecycle) -> str:
     )
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` is CUDA when available, else the CPU."""
+def pick_device(device: str) -> torch.device:
+    """The device a command-line option names: `auto` is CUDA when available, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -139,7 +141,7 @@ def run_recipe(
 ) -> RecipeReport:
     """Run the recipe on a zoo model (beam search with `num_beams` > 1); exceptions inside a call are
     reported, not raised."""
-    chosen = resolve_device(device)
+    chosen = pick_device(device)
     built = zoo.build(model_name, device=chosen, dtype=dtype)
     model = built.model
     inputs = built.inputs(batch_size, input_length, 1)
@@ -169,7 +171,7 @@ def run_recipe(
     model.register_forward_pre_hook(snapshot, with_kwargs=True)
     mode = "reduce-overhead" if chosen.type == "cuda" else "default"
     if compile_mode == "forward":
-        model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+        compile_forward(model, mode=mode, fullgraph=True)
     else:
         compile_config = CompileConfig(fullgraph=True, mode=mode)
         compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told

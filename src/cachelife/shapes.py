@@ -20,6 +20,7 @@ from attrs import frozen
 from transformers import PreTrainedConfig
 
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
+from cachelife.validate import check_int, is_int_at_least
 
 
 @frozen
@@ -32,10 +33,7 @@ class LayerShape:
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_kv_heads", "key_head_dim", "value_head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"LayerShape.{name} must be a positive int, got {value!r}"
-                raise CacheShapeError(msg)
+            check_int(f"LayerShape.{name}", getattr(self, name), error=CacheShapeError)
 
 
 @frozen
@@ -100,7 +98,7 @@ def tensor_parallel_size(model: object) -> int:
     """How many ranks share the model's heads under transformers' tensor parallelism (`from_pretrained(...,
     tp_plan="auto")` under torchrun sets `model._tp_size`); 1 without it."""
     size = getattr(model, "_tp_size", None)
-    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+    if is_int_at_least(size, 2):
         return size
     return 1
 
@@ -121,9 +119,7 @@ def per_rank_shapes(shapes: CacheShapes, ranks: int, *, who: str = "the model") 
 
     Raises `UnsupportedCacheError` naming the first layer whose head count `ranks` does not divide.
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        msg = f"the tensor-parallel size must be a positive int, got {ranks!r}"
-        raise CacheShapeError(msg)
+    check_int("the tensor-parallel size", ranks, error=CacheShapeError)
 
     def split(layers: tuple[LayerShape, ...], role: str) -> tuple[LayerShape, ...]:
         for index, shape in enumerate(layers):

@@ -25,6 +25,8 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
+from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+
 # Keyword arguments for `generate`: tensors named as the model's forward names them.
 Inputs = dict[str, Any]
 
@@ -55,7 +57,8 @@ def t5_tiny() -> T5Config:
 
 
 def t5_small_shaped() -> T5Config:
-    """Shaped like t5-small (FACTS.md section 3): d_model 512, 6+6 layers, 8 heads, d_kv 64, vocab 32128."""
+    """Shaped like t5-small, the model of the README's speed numbers: d_model 512, 6+6 layers, 8 heads, d_kv 64,
+    vocab 32128."""
     return T5Config(
         vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
@@ -71,7 +74,7 @@ def bart_tiny() -> BartConfig:
 
 
 def bart_small() -> BartConfig:
-    """The BART of FACTS.md section 1: d_model 256, 3+3 layers, 4 heads."""
+    """A small BART on which transformers' compiled recipe fails (README, "Why"): d_model 256, 3+3 layers, 4 heads."""
     return BartConfig(
         vocab_size=1000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, max_position_embeddings=256,
@@ -89,8 +92,8 @@ def whisper_tiny() -> WhisperConfig:
 
 
 def whisper_small() -> WhisperConfig:
-    """The Whisper of FACTS.md section 1 (d_model 256, 2+2 layers, 4 heads, 80 mel bins, 64 positions), with
-    Whisper's real 448 decoder positions so that 192 new tokens fit."""
+    """A small Whisper on which transformers' compiled recipe fails (README, "Why"): d_model 256, 2+2 layers, 4
+    heads, 80 mel bins, 64 positions, with Whisper's real 448 decoder positions so that 192 new tokens fit."""
     return WhisperConfig(
         vocab_size=1000, num_mel_bins=80, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, d_model=256, encoder_ffn_dim=512, decoder_ffn_dim=512,
@@ -108,7 +111,8 @@ def llama_tiny() -> LlamaConfig:
 
 
 def llama_small() -> LlamaConfig:
-    """The Llama of FACTS.md section 1: hidden 256, 4 layers, 4 heads, 2 key/value heads."""
+    """A small Llama on which transformers' compiled recipe fails (README, "Why"): hidden 256, 4 layers, 4 heads,
+    2 key/value heads."""
     return LlamaConfig(
         vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -146,7 +150,7 @@ def build(
     """Build the named model with seeded random weights, in eval mode, on `device` in `dtype`."""
     if name not in _ZOO:
         msg = f"unknown zoo model {name!r}; choose one of {', '.join(MODEL_NAMES)}"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     make_config, model_class = _ZOO[name]
     config = make_config()
     torch.manual_seed(seed)
@@ -161,5 +165,5 @@ def generate_tokens(model: PreTrainedModel, inputs: Inputs, **settings: Any) -> 
     output = model.generate(**inputs, **settings)
     if not isinstance(output, torch.Tensor):
         msg = f"generate returned a {type(output).__name__}; call it without return_dict_in_generate=True"
-        raise TypeError(msg)
+        raise UnsupportedGenerationError(msg)
     return output

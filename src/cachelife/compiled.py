@@ -1,0 +1,54 @@
+"""Compiled forwards: compiling a model's forward in place, and telling a compiled callable from an eager one.
+
+`compile_forward(model, mode="reduce-overhead", fullgraph=True)` is the recipe `model.forward =
+torch.compile(model.forward, ...)`, typed: it installs the compiled forward on the model instance, where an
+enabled model's hooks and `generate` find it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+# The attribute torch.compile's wrapper carries: the callable it compiles.
+_ORIGINAL = "_torchdynamo_orig_callable"
+
+
+def is_compiled(function: object) -> bool:
+    """Whether `function` is a callable returned by `torch.compile`."""
+    return getattr(function, _ORIGINAL, None) is not None
+
+
+def eager_forward(model: PreTrainedModel) -> Callable[..., Any]:
+    """The model's forward without compilation: the one a `compile_forward` wraps, else `model.forward`."""
+    forward = model.forward
+    original = getattr(forward, _ORIGINAL, None)
+    return original if callable(original) else forward
+
+
+def compile_forward(
+    model: PreTrainedModel,
+    *,
+    mode: str | None = None,
+    fullgraph: bool = False,
+    backend: str | Callable[..., Any] = "inductor",
+    dynamic: bool | None = None,
+) -> Callable[..., Any]:
+    """Compile the model's eager forward with `torch.compile(..., mode=, fullgraph=, backend=, dynamic=)`,
+    install it as `model.forward` and return it. Compiling again replaces the earlier compiled forward (it
+    does not wrap it); `restore_forward` undoes it."""
+    compiled: Callable[..., Any] = torch.compile(
+        eager_forward(model), mode=mode, fullgraph=fullgraph, backend=backend, dynamic=dynamic
+    )
+    # What `model.forward = compiled` does (nn.Module.__setattr__ stores a plain callable in the instance
+    # dict), without assigning to a method, which type checkers rightly question.
+    model.__dict__["forward"] = compiled
+    return compiled
+
+
+def restore_forward(model: PreTrainedModel) -> None:
+    """Undo `compile_forward`: the model's forward is its class's again."""
+    model.__dict__.pop("forward", None)

@@ -1,0 +1,114 @@
+"""Turning cachelife on and off for a model: `enable`, `disable`, `is_enabled`, the buffer pool's settings, and
+`CacheLifecycleMixin`, which enables every instance of a model class. What `enable` installs is the decoding
+guard (`cachelife.guard`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from cachelife.buckets import check_bucketable, check_buckets
+from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
+from cachelife.guard import DecodingGuard, OnUnpinned, guard_of
+from cachelife.pool import DEFAULT_BUDGET_BYTES, CachePool
+from cachelife.shapes import model_cache_shapes
+from cachelife.validate import check_int
+
+
+def enable(
+    model: PreTrainedModel,
+    *,
+    on_unpinned: OnUnpinned = "pin",
+    pool_bytes: int = DEFAULT_BUDGET_BYTES,
+    encoder_buckets: Sequence[int] | None = None,
+) -> PreTrainedModel:
+    """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
+
+    Idempotent (a second call updates the settings). `on_unpinned` decides what happens when a cache
+    reaches a forward call unpinned (it was replaced after `generate` prepared it, or built by hand): "pin"
+    pins it there and logs a WARNING (the default), "raise" raises `UnpinnedCacheError`. `pool_bytes` is the
+    budget of idle pinned buffers kept between `generate` calls so that the next call of the same shape
+    decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. `encoder_buckets`
+    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.buckets`), e.g.
+    `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that fits,
+    so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
+    Fails at once, before anything is patched, if an argument is invalid (`InvalidArgumentError`), the model
+    is no transformers generation model, its shapes cannot be inferred, or the buckets are invalid
+    (`InvalidBucketsError`) or unsafe for it (`UnsupportedGenerationError`).
+    """
+    if on_unpinned not in ("pin", "raise"):
+        msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
+        raise InvalidArgumentError(msg)
+    check_int("pool_bytes", pool_bytes, minimum=0, note="(0 turns the pool off)")
+    buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
+    existing = guard_of(model)
+    if existing is not None:
+        if buckets is not None:
+            check_bucketable(model)
+        existing.on_unpinned = on_unpinned
+        existing.pool = _make_pool(pool_bytes, existing.pool)
+        existing.encoder_buckets = buckets
+        return model
+    if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
+        msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
+        raise UnsupportedCacheError(msg)
+    model_cache_shapes(model)  # fail now, not in the middle of generate
+    if buckets is not None:
+        check_bucketable(model)
+    guard = DecodingGuard(on_unpinned=on_unpinned, pool=_make_pool(pool_bytes, None), encoder_buckets=buckets)
+    guard.install(model)
+    return model
+
+
+def pool_of(model: object) -> CachePool | None:
+    """The buffer pool of an enabled model (None if cachelife is off for it or its pool is off)."""
+    guard = guard_of(model)
+    return None if guard is None else guard.pool
+
+
+def release_pool(model: object) -> None:
+    """Drop the idle pinned buffers an enabled model keeps between `generate` calls."""
+    pool = pool_of(model)
+    if pool is not None:
+        pool.clear()
+
+
+def _make_pool(budget: int, current: CachePool | None) -> CachePool | None:
+    if budget == 0:
+        return None
+    if current is not None:
+        current.budget_bytes = budget
+        return current
+    return CachePool(budget)
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `enable`: remove the hooks and restore every patched attribute exactly. Idempotent."""
+    guard = guard_of(model)
+    if guard is not None:
+        guard.uninstall(model)
+    return model
+
+
+def is_enabled(model: object) -> bool:
+    """Whether `enable` (or `CacheLifecycleMixin`) guards this model."""
+    return guard_of(model) is not None
+
+
+class CacheLifecycleMixin:
+    """Mix into a transformers model class, before its `PreTrainedModel` base, to enable cachelife on every
+    instance (`enable(self)` at the end of `__init__`, so `from_pretrained` models are guarded too).
+
+    Override `cachelife_cache_shapes()` (the `DeclaresCacheShapes` extension point) when the model's cache
+    shapes do not follow its config family's rule.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self, PreTrainedModel):
+            msg = f"CacheLifecycleMixin must be mixed into a transformers PreTrainedModel, not {type(self).__name__}"
+            raise UnsupportedCacheError(msg)
+        enable(self)

@@ -1,0 +1,308 @@
+"""The decoding guard: what `cachelife.enable` installs on a model, around `generate` and every forward call.
+
+The invariant: every layer of every static cache a model decodes with, self-attention and
+cross-attention, is pinned before the model's first forward call with that cache. The guard establishes it
+at two places and checks it at a third:
+
+1. after `_prepare_cache_for_generation` (the model's own override included), where `generate` has its
+   cache: every layer is pinned there, outside any compiled region;
+2. at the decoding boundary, eagerly before each forward call (a forward pre-hook for a compiled
+   `model.forward`, and a wrapper around transformers' auto-compiled call): a cache that reached it
+   unpinned (replaced after preparation, or built by hand) is pinned there and a WARNING is logged, or,
+   with `on_unpinned="raise"`, refused with `UnpinnedCacheError`; a cache that does not fit the call is
+   refused with `CacheShapeError` (`cachelife.fit`);
+3. after each forward call, content is recorded (`Pinned -> Filled`) without reading any tensor.
+
+With encoder buckets, the encoder output and its attention mask are padded to a bucket length
+(`cachelife.buckets`) on the way into `_prepare_cache_for_generation`, so that the cross-attention cache is
+pinned, and decoding compiled, at the bucket length.
+
+All of this runs in eager Python around compiled code, never inside it: the hooks return at once while
+dynamo traces, so they add no graph break, recompilation or host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias
+
+import torch
+from attrs import define, field
+from torch._dynamo.utils import counters
+from transformers import GenerationConfig, PreTrainedModel
+
+from cachelife import buffers, call_arguments, reorder
+from cachelife.buckets import Buckets, pad_generation_kwargs
+from cachelife.cache_lifecycle import CacheLifecycle, ManagedCache, is_managed_cache, lifecycle
+from cachelife.compile_cache import pinned_compile_cache
+from cachelife.compiled import is_compiled
+from cachelife.errors import CacheShapeError, ReplacedBuffersError
+from cachelife.fit import Need, check_encoder_fits, check_fits
+from cachelife.layer_lifecycle import FillRecord, Pinned
+from cachelife.pinning import pin_for_model
+from cachelife.placement import cache_layer_devices
+from cachelife.pool import CachePool
+from cachelife.shapes import model_cache_shapes
+from cachelife.skips import describe as skips_describe
+from cachelife.skips import skip_log as skips_log
+
+logger = logging.getLogger(__name__)
+
+OnUnpinned: TypeAlias = Literal["pin", "raise"]
+
+# Instance attributes the guard sets; `uninstall` restores each exactly.
+_PATCHED = ("generate", "_prepare_cache_for_generation", "get_compiled_call")
+_GUARD_ATTRIBUTE = "_cachelife_guard"
+
+
+@define(eq=False)
+class DecodingGuard:
+    """What `enable` installs on one model: two forward hooks and three wrapped methods."""
+
+    on_unpinned: OnUnpinned
+    pool: CachePool | None
+    encoder_buckets: Buckets | None = None
+    # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
+    _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
+    # Skip reasons torch had logged when this guard last looked (`cachelife.skips`).
+    _skip_lines_seen: int = field(factory=lambda: skips_log().count, alias="skip_lines_seen")
+    # Whether a pinned layer was found holding replaced tensors (then a stale compile cache is no likely cause).
+    _replaced_seen: bool = field(default=False, alias="replaced_seen")
+    # Caches whose replaced tensors were already reported, to warn once per cache.
+    _warned_replaced: weakref.WeakSet[CacheLifecycle] = field(factory=weakref.WeakSet, alias="warned_replaced")
+    _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
+    # Attribute name -> the instance attribute that was there before (absent if the class provided it).
+    _saved: dict[str, Any] = field(factory=dict, alias="saved")
+
+    def install(self, model: PreTrainedModel) -> None:
+        originals = {name: getattr(model, name) for name in _PATCHED}
+        self._saved = {name: model.__dict__[name] for name in _PATCHED if name in model.__dict__}
+        prepare_signature = inspect.signature(originals["_prepare_cache_for_generation"])
+
+        @functools.wraps(originals["generate"])
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            with pinned_compile_cache():
+                return originals["generate"](*args, **kwargs)
+
+        def prepare_cache_for_generation(*args: Any, **kwargs: Any) -> Any:
+            arguments = prepare_signature.bind(*args, **kwargs).arguments
+            self.before_cache_preparation(arguments)
+            result = originals["_prepare_cache_for_generation"](*args, **kwargs)
+            self.after_cache_preparation(model, arguments)
+            return result
+
+        def get_compiled_call(*args: Any, **kwargs: Any) -> Any:
+            compiled = originals["get_compiled_call"](*args, **kwargs)
+            return self.guard_compiled_call(model, compiled)
+
+        model.__dict__["generate"] = generate
+        model.__dict__["_prepare_cache_for_generation"] = prepare_cache_for_generation
+        model.__dict__["get_compiled_call"] = get_compiled_call
+        self._hooks = [
+            model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
+            model.register_forward_hook(self.after_forward, with_kwargs=True),
+        ]
+        model.__dict__[_GUARD_ATTRIBUTE] = self
+
+    def uninstall(self, model: PreTrainedModel) -> None:
+        if self.pool is not None:
+            self.pool.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for name in _PATCHED:
+            if name in self._saved:
+                model.__dict__[name] = self._saved[name]
+            else:
+                model.__dict__.pop(name, None)
+        model.__dict__.pop(_GUARD_ATTRIBUTE, None)
+
+    # 0. where generate has run the encoder (and expanded its output for beams) but built no cache yet
+    def before_cache_preparation(self, arguments: Mapping[str, Any]) -> None:
+        """Pad the encoder output and mask to their bucket, so the cache is built and pinned at that length."""
+        model_kwargs = arguments.get("model_kwargs")
+        if self.encoder_buckets is not None and isinstance(model_kwargs, dict):
+            pad_generation_kwargs(model_kwargs, self.encoder_buckets)
+
+    # 1. where generate has built (or been handed) its cache
+    def after_cache_preparation(self, model: PreTrainedModel, arguments: Mapping[str, Any]) -> None:
+        model_kwargs = arguments.get("model_kwargs")
+        generation_config = arguments.get("generation_config")
+        batch_size = arguments.get("batch_size")
+        if not isinstance(model_kwargs, dict) or not isinstance(batch_size, int):
+            return
+        cache = call_arguments.find_cache(model_kwargs)
+        if not is_managed_cache(cache):
+            return
+        if isinstance(generation_config, GenerationConfig):
+            batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        encoder_length = call_arguments.encoder_length(model_kwargs)
+        state = pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool)
+        if isinstance(generation_config, GenerationConfig) and (generation_config.num_beams or 1) > 1:
+            # generate expanded the encoder output per beam: every beam of one input gets the same
+            # cross-attention rows, which a beam reorder never needs to move (see cachelife.reorder).
+            for layer in state.cross_attention:
+                if isinstance(layer.state, Pinned):
+                    reorder.share_rows_within_beams(layer.layer)
+
+    # 2. the decoding boundary
+    def before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return
+        cache = call_arguments.find_cache(kwargs)
+        if not is_managed_cache(cache):
+            return
+        state = lifecycle(cache)
+        if state.is_filled:  # steady-state decoding: a memoised verdict and one identity check per layer
+            self.check_replaced(module, state)
+            return
+        check_encoder_fits(state.cross_attention, call_arguments.encoder_length(kwargs))
+        if not state.is_pinned:
+            self.pin_late(module, cache, state, kwargs)
+        self.check_replaced(module, state)
+        if isinstance(module, PreTrainedModel):
+            check_call_fits(state, module, kwargs)
+
+    def check_replaced(self, module: torch.nn.Module, state: CacheLifecycle) -> None:
+        """A pinned layer whose tensors were replaced behind the lifecycle's back (beam reorders of a layer
+        without cachelife's in-place reorder, `Cache.crop`, `batch_select_indices`, code assigning
+        `layer.keys`, ...): copy their content back into the pinned tensors and warn once per cache, or
+        refuse with `ReplacedBuffersError`."""
+        replaced = state.replaced()
+        if not replaced:
+            return
+        self._replaced_seen = True
+        names = "; ".join(f"{layer.describe()}: {', '.join(tensors)}" for layer, tensors in replaced)
+        fix = (
+            "Replace no tensor of a pinned layer: write into it in place (copy_, index_copy_), or release and pin "
+            "the cache again."
+        )
+        if self.on_unpinned == "raise":
+            msg = (
+                f"{len(replaced)} pinned cache layer(s) of {type(module).__name__} hold tensors they were not "
+                f"pinned with ({names}), so CUDA graphs would skip or re-record. {fix}"
+            )
+            raise ReplacedBuffersError(msg)
+        for layer, _ in replaced:
+            layer.restore_buffers()
+        if state in self._warned_replaced:
+            logger.debug("replaced cache tensors restored again before %s's forward: %s", type(module).__name__, names)
+            return
+        self._warned_replaced.add(state)
+        logger.warning(
+            "%d pinned cache layer(s) reached %s's forward holding tensors they were not pinned with (%s); "
+            "cachelife copied their content back into the pinned tensors, at the pinned addresses. %s Pass "
+            "on_unpinned='raise' to cachelife.enable to make this an error.",
+            len(replaced),
+            type(module).__name__,
+            names,
+            fix,
+        )
+
+    def pin_late(
+        self, module: torch.nn.Module, cache: ManagedCache, state: CacheLifecycle, kwargs: Mapping[str, Any]
+    ) -> None:
+        """A cache reached the forward call unpinned: pin it there and warn, or refuse it."""
+        batch_size = call_arguments.batch_size(kwargs)
+        if self.on_unpinned == "raise" or not isinstance(module, PreTrainedModel) or batch_size is None:
+            state.require_pinned()
+            return
+        late = ", ".join(layer.describe() for layer in state.unpinned())
+        pin_for_model(
+            cache, module, batch_size=batch_size, encoder_length=call_arguments.encoder_length(kwargs), pool=self.pool
+        )
+        logger.warning(
+            "cache layers reached %s's forward unpinned and were pinned there: %s. Pin caches ahead "
+            "(cachelife.prepare_static_cache, or leave cache preparation to generate); pass "
+            "on_unpinned='raise' to cachelife.enable to make this an error.",
+            type(module).__name__,
+            late,
+        )
+
+    # 3. after the forward call
+    def after_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if torch.compiler.is_compiling():
+            return
+        compiled = is_compiled(getattr(module, "forward", None))
+        self.record_content(kwargs, compiled=compiled)
+        if compiled:
+            self.report_cudagraph_skips(module)
+
+    def record_content(self, kwargs: Mapping[str, Any], *, compiled: bool) -> None:
+        cache = call_arguments.find_cache(kwargs)
+        if not is_managed_cache(cache):
+            return
+        state = lifecycle(cache)
+        if state.is_filled:
+            return
+        state.fill(FillRecord("forward", call_arguments.query_length(kwargs), compiled), cross=False)
+        for layer in state.cross_attention:
+            if layer.cross_content_written:
+                layer.fill(FillRecord("forward", call_arguments.encoder_length(kwargs), compiled))
+
+    def report_cudagraph_skips(self, module: torch.nn.Module) -> None:
+        """Warn when torch skipped CUDA graphs since the last look (the graph then runs correct but slow),
+        naming the reason torch gave and its fix."""
+        skips = int(counters["inductor"]["cudagraph_skips"])
+        if skips <= self._skips_seen:
+            return
+        log = skips_log()
+        reasons = log.since(self._skip_lines_seen)
+        logger.warning(
+            "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded, so they run correct but slow: %s",
+            skips - self._skips_seen,
+            type(module).__name__,
+            skips_describe(reasons, caches_hold_pinned_tensors=not self._replaced_seen),
+        )
+        self._skips_seen = skips
+        self._skip_lines_seen = log.count
+
+    def guard_compiled_call(self, model: PreTrainedModel, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap transformers' auto-compiled `__call__` so the boundary checks run eagerly around it."""
+        if not is_compiled(compiled):  # e.g. models transformers never compiles
+            return compiled
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.before_forward(model, args, kwargs)
+            output = compiled(*args, **kwargs)
+            self.record_content(kwargs, compiled=True)
+            self.report_cudagraph_skips(model)
+            return output
+
+        return guarded
+
+
+def guard_of(model: object) -> DecodingGuard | None:
+    """The guard installed on `model`, or None when cachelife is not enabled for it."""
+    guard = getattr(model, "__dict__", {}).get(_GUARD_ATTRIBUTE)
+    return guard if isinstance(guard, DecodingGuard) else None
+
+
+def check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mapping[str, Any]) -> None:
+    """Before a cache's first forward call: its pinned buffers must fit this model and this call (batch,
+    heads, head dims, dtype, each layer's device, and the positions the call writes), host facts only."""
+    shapes = model_cache_shapes(model)
+    expected = [*shapes.self_attention, *shapes.cross_attention]
+    if len(expected) != len(state.layers):
+        msg = (
+            f"the cache has {len(state.self_attention)} self-attention and {len(state.cross_attention)} "
+            f"cross-attention layers but {type(model).__name__} has {len(shapes.self_attention)} and "
+            f"{len(shapes.cross_attention)}: is it a cache of another model?"
+        )
+        raise CacheShapeError(msg)
+    batch_size = call_arguments.batch_size(kwargs)
+    query_length = call_arguments.query_length(kwargs)
+    devices = cache_layer_devices(model, len(shapes.self_attention), len(shapes.cross_attention))
+    for layer, shape, device in zip(state.layers, expected, devices, strict=True):
+        # An empty full-attention self-attention layer must hold every position the call writes.
+        writes_from_empty = (
+            layer.role == "self" and isinstance(layer.state, Pinned) and not buffers.is_sliding_layer(layer.layer)
+        )
+        need = Need(batch_size, shape, model.dtype, device, query_length if writes_from_empty else None)
+        check_fits(layer, need, request="call")
