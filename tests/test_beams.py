@@ -6,6 +6,7 @@ every layer, self- and cross-attention, still holds the tensors it was pinned wi
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -193,6 +194,17 @@ def test_cross_attention_rows_shared_within_beams_are_left_in_place_by_generate(
     assert torch.equal(keys[0], keys[2])
     state.reset()
     assert not any(reorder.rows_shared_within_beams(layer.layer) for layer in state.cross_attention)
+
+
+def test_a_deep_copy_of_a_pinned_cache_reorders_its_own_tensors() -> None:
+    built = zoo.build("llama")
+    cache = static_cache(cachelife.prepare_static_cache(built.model, batch_size=2, max_cache_len=4))
+    keys = buffers_of(cache.layers[0])["keys"]
+    keys.copy_(torch.arange(2.0).view(2, 1, 1, 1).expand_as(keys))
+    twin = copy.deepcopy(cache)
+    twin.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(buffers_of(twin.layers[0])["keys"][0], keys[1])
+    assert torch.equal(keys[0], torch.zeros_like(keys[0]))  # the original is untouched
 
 
 def test_release_gives_a_layer_back_transformers_reorder() -> None:

@@ -22,6 +22,7 @@ until the layer is next emptied or released.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from transformers.cache_utils import StaticLayer
@@ -40,6 +41,16 @@ class InPlaceReorder:
         # and its pooled buffers go back to the pool without waiting for the garbage collector.
         self._layer = weakref.ref(layer)
         self.rows_shared_within_beams = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InPlaceReorder:
+        # A deep copy of the layer (and of its cache) reorders the copy: `copy.deepcopy` records the copied
+        # layer in `memo` before it copies the layer's attributes, this one among them.
+        layer = self._layer()
+        if layer is None:  # the layer is gone: nothing left to reorder, in the copy either
+            return self
+        twin = InPlaceReorder(memo.get(id(layer), layer))
+        twin.rows_shared_within_beams = self.rows_shared_within_beams
+        return twin
 
     def __call__(self, beam_idx: torch.Tensor) -> None:
         layer = self._layer()
