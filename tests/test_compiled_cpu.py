@@ -88,3 +88,19 @@ def test_transformers_auto_compile_generation_equals_eager() -> None:
     assert graphs[0] >= 1  # decoding really ran compiled, with cachelife's hooks inside the traced call
     assert graphs[1] == graphs[2]  # and tracking adds no recompilation from call to call
     assert all(layer_states == ["Pinned"] * 4 for _, layer_states in states.seen)
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+def test_compiled_forward_beam_search_equals_eager_and_keeps_its_graphs(name: str) -> None:
+    """The in-place reorder is eager code between compiled calls: no recompilation, the same pinned tensors."""
+    built = zoo.build(name)
+    model = built.model
+    inputs = built.inputs(2, 9, 1)
+    settings = {**SETTINGS, "num_beams": 3, "num_return_sequences": 2}
+    expected = zoo.generate_tokens(model, inputs, **settings, disable_compile=True)
+    cachelife.enable(model, on_unpinned="raise")  # a replaced cache tensor would raise
+    cachelife.compile_forward(model, fullgraph=True)
+    for _ in range(2):
+        tokens = zoo.generate_tokens(model, inputs, **settings, cache_implementation="static")
+        assert torch.equal(tokens, expected)
+    assert counters["stats"]["unique_graphs"] <= 2  # prefill and one decoding step, reused by the second call
