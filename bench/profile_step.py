@@ -5,18 +5,18 @@
 
 For each batch size (input length 48): `cachelife.decode` with one compiled step per call (CUDA graphs on a
 GPU) is warmed up, then profiled with torch.profiler for 64 and for 192 new tokens; every number per step is
-(192-token run - 64-token run) / 128, so prefill drops out. The two runs' caches hold 65 and 193 positions
-and SDPA over a static cache reads every position, so attention's share comes out somewhat above that of
-one step over 193 positions. Kernels are grouped by name, first match wins: matrix products (gemm, mm,
-matmul, cutlass, cuBLAS's xmma and nvjet; linear on a CPU), attention (sdpa, flash, fmha, attention), cache
-writes (index_copy, index_put, scatter), norms (norm, rms), other fused triton kernels (triton_), copies
-(copy, memcpy, memset, cat), other. Per group: kernels and GPU time per step, and the ten costliest kernel
-names. Per step: total kernel time, wall time (marginal, as bench/decode_loop.py measures it), and the bytes
-that must at least be read: the weights of every linear layer the step runs (found by counting calls in an
-eager step; cross-attention key/value projections run at prefill only) for matrix products, and the whole
-pinned cache's keys and values (193 positions) for attention; against `--bandwidth` bytes per second, the
-time that floor takes and the fraction of it a group reaches. On a CPU it profiles CPU operators (self time,
-summed over threads) instead: kernel grouping needs CUDA.
+(192-token run - 64-token run) / 128, so prefill drops out. The two runs' caches hold 65 and 193 positions and
+SDPA over a static cache reads every position, so attention's share comes out somewhat above that of one step
+over 193 positions. Kernels are grouped by name, first match wins: attention (sdpa, flash, fmha, attention),
+matrix products (gemm, gemv, split-K, mm, matmul, cutlass, cuBLAS's xmma and nvjet; linear on a CPU), cache
+writes (index_copy, index_put, scatter), norms (norm, rms, rsqrt), other fused triton kernels (triton_),
+copies (copy, memcpy, memset, cat), other. Per group: kernels and GPU time per step, and the ten costliest
+kernel names. Per step: total kernel time, wall time (marginal, as bench/decode_loop.py measures it), and the
+bytes that must at least be read: the weights of every linear layer the step runs (found by counting calls in
+an eager step; cross-attention key/value projections run at prefill only) for matrix products, and the whole
+pinned cache's keys and values (193 positions) for attention; against `--bandwidth` bytes per second, the time
+that floor takes and the fraction of it a group reaches. On a CPU it profiles CPU operators (self time, summed
+over threads) instead: kernel grouping needs CUDA.
 Writes `<out>/profile-step-<device>-<date>.json`.
 """
 
@@ -44,15 +44,16 @@ from cachelife.recipe import pick_device
 
 LENGTH, SHORT, LONG, REPEATS = 48, 64, 192, 3
 
-# Kernel kinds, first match wins (a fused triton kernel that writes the cache is a cache write).
+# Kernel kinds, first match wins: attention before matrix products (flash-attention and cutlass attention kernels
+# carry gemm-like names), and a fused triton kernel that writes the cache is a cache write.
 GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|attn", re.I)),
     (
         "matrix_products",
-        re.compile(r"gemm|matmul|cutlass|xmma|nvjet|cublas|linear|mkldnn|(^|[_:])(add|b)?mm(_|$|\b)", re.I),
+        re.compile(r"gemm|gemv|splitk|matmul|cutlass|xmma|nvjet|cublas|linear|mkldnn|(^|[_:])(add|b)?mm(_|$|\b)", re.I),
     ),
-    ("attention", re.compile(r"sdpa|flash|fmha|attention|attn", re.I)),
     ("cache_writes", re.compile(r"index_copy|index_put|scatter", re.I)),
-    ("norms", re.compile(r"norm|rms", re.I)),
+    ("norms", re.compile(r"norm|rms|rsqrt", re.I)),
     ("fused_triton", re.compile(r"triton_", re.I)),
     ("copies", re.compile(r"copy|memcpy|memset|(^|[_:])cat(_|$|\b)", re.I)),
 )
