@@ -8,12 +8,14 @@ that has an empty compile-cache directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,17 @@ def torch_artifacts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     return loaded
 
 
+@contextlib.contextmanager
+def compile_cache_tag(tag: str) -> Iterator[None]:
+    """torch's compile-cache tag set to `tag` for a while (a user's own, or TORCH_COMPILE_CACHE_KEY_TAG)."""
+    before = torch.compiler.config.cache_key_tag
+    torch.compiler.config.cache_key_tag = tag
+    try:
+        yield
+    finally:
+        torch.compiler.config.cache_key_tag = before
+
+
 def rewrite_header(path: Path, **changes: Any) -> None:
     """Change fields of a saved file's header line (the documented format: magic line, JSON line, payload)."""
     header_line, _, payload = path.read_bytes().removeprefix(MAGIC).partition(b"\n")
@@ -72,6 +85,15 @@ def test_the_header_names_torch_cachelife_device_and_payload(tmp_path: Path, tor
     assert path.read_bytes().startswith(MAGIC)
     assert path.read_bytes().endswith(PAYLOAD)
     assert [p.name for p in tmp_path.iterdir()] == ["warm.artifacts"]  # no partial file left behind
+
+
+def test_the_tag_recorded_is_the_users_own_without_cachelifes_part(
+    tmp_path: Path, torch_artifacts: list[bytes]
+) -> None:
+    with compile_cache_tag("deployment-7"), cachelife.pinned_compile_cache():
+        assert torch.compiler.config.cache_key_tag == "deployment-7+cachelife-pinned-caches"
+        header = cachelife.save_compile_artifacts(tmp_path / "warm.artifacts")
+    assert header.cache_key_tag == "deployment-7"
 
 
 def test_load_hands_torch_exactly_the_saved_bytes(tmp_path: Path, torch_artifacts: list[bytes]) -> None:
@@ -140,12 +162,11 @@ def test_saving_before_anything_compiled_raises_and_writes_nothing(
 
 
 def test_loading_under_another_compile_cache_tag_warns_naming_both(
-    tmp_path: Path, torch_artifacts: list[bytes], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, torch_artifacts: list[bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "warm.artifacts"
     cachelife.save_compile_artifacts(path)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "deployment-7")
-    with caplog.at_level(logging.WARNING, logger="cachelife"):
+    with compile_cache_tag("deployment-7"), caplog.at_level(logging.WARNING, logger="cachelife"):
         cachelife.load_compile_artifacts(path)
     assert [record.levelname for record in caplog.records] == ["WARNING"]
     assert "tag '', this process has 'deployment-7'" in caplog.records[0].getMessage()
