@@ -76,7 +76,7 @@ def save_compile_artifacts(path: str | os.PathLike[str]) -> CompileArtifactsHead
         cache_key_tag=base_tag(),
         payload_bytes=len(payload),
         payload_sha256=hashlib.sha256(payload).hexdigest(),
-        artifacts={kind: len(keys) for kind, keys in sorted(info.artifacts.items())},
+        artifacts=_counts(info),
     )
     _write_atomically(Path(path), MAGIC + json.dumps(asdict(header)).encode() + b"\n" + payload)
     logger.debug("saved compile artifacts to %s: %s", path, header.artifacts)
@@ -98,6 +98,12 @@ def load_compile_artifacts(path: str | os.PathLike[str]) -> CompileArtifactsHead
 def read_compile_artifacts_header(path: str | os.PathLike[str]) -> CompileArtifactsHeader:
     """The header of the compile-artifacts file at `path`, checked against its payload; loads nothing."""
     return _read(Path(path))[0]
+
+
+def _counts(info: object) -> dict[str, int]:
+    """Entries per kind of cache, from torch's `CacheInfo` (informational: empty where a torch lacks the field)."""
+    artifacts: Any = getattr(info, "artifacts", {})
+    return {str(kind): len(keys) for kind, keys in sorted(artifacts.items())}
 
 
 def _device_type() -> str:
