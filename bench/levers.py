@@ -209,7 +209,7 @@ def main() -> int:
         },
         "results": [],
     }  # fmt: skip
-    chosen = "" if set(presets) == set(PRESETS) else "-" + "+".join(presets[1:])
+    chosen = "" if set(presets) == set(PRESETS) else "-" + "+".join(presets[1:] or presets)
     stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '+')}{chosen}"
     out = results_path(args.out, stem, device)
     for dtype in args.dtypes.split(","):
