@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cachelife"
 
 # Lowest layer first. A module may import modules of its own layer or of a layer below.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"errors", "log", "validate"}),
+    frozenset({"errors", "log", "validate", "version"}),
     frozenset(
         {
             "reorder",
@@ -26,7 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "compile_cache",
         }
     ),
-    frozenset({"call_arguments", "compiled", "buckets", "pinning", "skips", "guard", "enabling"}),
+    frozenset({"call_arguments", "compiled", "buckets", "pinning", "skips", "guard", "enabling", "warm_start"}),
     frozenset({"decode"}),
     frozenset({"zoo", "recipe", "demo", "__main__", "__init__"}),
 )

@@ -13,10 +13,13 @@ from cachelife.enabling import CacheLifecycleMixin, disable, enable, is_enabled,
 from cachelife.errors import (
     CacheLifecycleError,
     CacheShapeError,
+    CompileArtifactsFormatError,
+    CompileArtifactsMismatchError,
     CompiledRegionError,
     IllegalTransitionError,
     InvalidArgumentError,
     InvalidBucketsError,
+    NoCompileArtifactsError,
     ReplacedBuffersError,
     UnmarkedBuffersError,
     UnpinnedCacheError,
@@ -37,8 +40,13 @@ from cachelife.log import configure_from_environment, disable_debug_logging, ena
 from cachelife.pinning import pin_for_model, prepare_static_cache
 from cachelife.pool import CachePool
 from cachelife.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, infer_cache_shapes, model_cache_shapes
-
-__version__ = "0.1.0"
+from cachelife.version import __version__
+from cachelife.warm_start import (
+    CompileArtifactsHeader,
+    load_compile_artifacts,
+    read_compile_artifacts_header,
+    save_compile_artifacts,
+)
 
 __all__ = [
     "TRANSITIONS",
@@ -49,6 +57,9 @@ __all__ = [
     "CachePool",
     "CacheShapeError",
     "CacheShapes",
+    "CompileArtifactsFormatError",
+    "CompileArtifactsHeader",
+    "CompileArtifactsMismatchError",
     "CompiledRegionError",
     "DeclaresCacheShapes",
     "FillRecord",
@@ -59,6 +70,7 @@ __all__ = [
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
+    "NoCompileArtifactsError",
     "NoStorage",
     "PinSpec",
     "Pinned",
@@ -79,13 +91,16 @@ __all__ = [
     "is_enabled",
     "is_managed_cache",
     "lifecycle",
+    "load_compile_artifacts",
     "model_cache_shapes",
     "pin_for_model",
     "pinned_compile_cache",
     "pool_of",
     "prepare_static_cache",
+    "read_compile_artifacts_header",
     "release_pool",
     "restore_forward",
+    "save_compile_artifacts",
 ]
 
 configure_from_environment()

@@ -38,6 +38,12 @@ def _tagged(tag: str) -> str:
     return f"{tag}+{TAG}" if tag else TAG
 
 
+def base_tag() -> str:
+    """The compile-cache tag in effect without cachelife's part: what a user (or TORCH_COMPILE_CACHE_KEY_TAG)
+    set, the same inside and outside `pinned_compile_cache()`."""
+    return "+".join(part for part in _current().split("+") if part != TAG)
+
+
 def _config_is_process_wide() -> bool:
     """Whether a config value set in one thread is seen by another (torch 2.11) or not (2.12+)."""
     probe = f"{TAG}-probe"

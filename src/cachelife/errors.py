@@ -52,3 +52,15 @@ class InvalidArgumentError(CacheLifecycleError, ValueError):
 
 class InvalidBucketsError(CacheLifecycleError, ValueError):
     """Encoder-length buckets that are not a non-empty, strictly increasing sequence of positive ints."""
+
+
+class CompileArtifactsMismatchError(CacheLifecycleError, RuntimeError):
+    """Saved compile artifacts come from another torch version or device type than this process has."""
+
+
+class CompileArtifactsFormatError(CacheLifecycleError, ValueError):
+    """A file that is not cachelife's compile artifacts, or whose content is damaged or cut short."""
+
+
+class NoCompileArtifactsError(CacheLifecycleError, RuntimeError):
+    """Compile artifacts were to be saved, but this process has compiled (or loaded from a cache) nothing yet."""

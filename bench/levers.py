@@ -1,0 +1,227 @@
+"""Levers on the decode step's kernel time: inductor option presets, each alone and together.
+
+    python -m bench.levers [--device cuda|cpu] [--model whisper-small] [--batch-size 1]
+                           [--dtypes bfloat16,float32] [--presets baseline,...] [--tokens 128]
+
+Each preset runs in a fresh process (inductor options never leak from one to the next) with an empty
+TORCHINDUCTOR_CACHE_DIR, so its first call is a full compilation. In it, `cachelife.decode` (one compiled
+step per call, CUDA graphs on a GPU) gives: the first call (seconds, compilation included), the marginal wall
+time per step and, on CUDA, the GPU kernel time and kernel count per step ((long run - short run) / steps,
+profiled, as bench/decode_loop.py measures them), and the first `--tokens` greedy tokens of the long run.
+Correctness against the baseline preset of the same dtype: the tokens must be equal in float32; in other
+dtypes the fraction of equal tokens, and the largest logit difference over `--tokens` steps of a compiled
+forward (the same preset) fed the baseline's tokens (teacher forcing, so every preset sees the same inputs).
+
+Presets (torch._inductor.config): baseline (defaults); max_autotune_gemm (GEMM templates autotuned, CUDA
+graphs kept as decode sets them); coordinate_descent (coordinate_descent_tuning); combo_kernels;
+no_epilogue_fusion (epilogue_fusion off: the default is on, so this measures what it gives); together
+(max_autotune_gemm + coordinate_descent + combo_kernels). Writes
+`<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+import cachelife
+from bench.decode_loop import first_divergence
+from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
+from bench.timing import timed
+from cachelife import zoo
+from cachelife.call_arguments import cache_argument_name
+from cachelife.decode import decode
+from cachelife.recipe import pick_device
+
+LENGTH = 48
+PRESETS: dict[str, dict[str, bool]] = {
+    "baseline": {},
+    "max_autotune_gemm": {"max_autotune_gemm": True},
+    "coordinate_descent": {"coordinate_descent_tuning": True},
+    "combo_kernels": {"combo_kernels": True},
+    "no_epilogue_fusion": {"epilogue_fusion": False},
+    "together": {"max_autotune_gemm": True, "coordinate_descent_tuning": True, "combo_kernels": True},
+}
+
+
+def kernel_profile(device: torch.device, run: Any, short: int, long: int) -> dict[str, float] | None:
+    """GPU kernel milliseconds and kernels per step, (long run - short run) / (long - short); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    totals = {}
+    for tokens in (short, long):
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            run(tokens)
+            torch.cuda.synchronize(device)
+        events = [e for e in trace.key_averages() if e.device_type.name == "CUDA"]
+        totals[tokens] = (sum(e.self_device_time_total for e in events) / 1000, sum(e.count for e in events))
+    steps = long - short
+    return {
+        "kernel_ms_per_step": round((totals[long][0] - totals[short][0]) / steps, 4),
+        "kernels_per_step": round((totals[long][1] - totals[short][1]) / steps, 2),
+    }
+
+
+def teacher_forced_logits(model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (steps, batch, vocab) of the model's compiled forward fed `tokens` one at a time on a pinned
+    cache: every preset sees the same inputs, so the differences are the compiled numerics alone."""
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    cachelife.compile_forward(model, mode=mode, fullgraph=True)
+    key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
+    batch, steps = int(tokens.shape[0]), int(tokens.shape[1]) - 1
+    logits = []
+    with torch.no_grad(), cachelife.pinned_compile_cache():
+        kwargs: dict[str, Any] = {}
+        encoder_length = None
+        if model.config.is_encoder_decoder:
+            hidden = model.get_encoder()(**inputs)[0]
+            torch._dynamo.mark_static_address(hidden)
+            kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
+            encoder_length = int(hidden.shape[1])
+        cache = cachelife.prepare_static_cache(
+            model, batch_size=batch, max_cache_len=steps + 1, encoder_length=encoder_length
+        )
+        kwargs[cache_argument_name(model)] = cache
+        for index in range(steps):
+            output = model(**{key: tokens[:, index : index + 1]}, use_cache=True, **kwargs)
+            logits.append(output.logits[:, -1].float().clone())
+    return torch.stack(logits)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fresh process: set the preset's inductor options, then time and check `cachelife.decode`."""
+    for option, value in PRESETS[args.child].items():
+        setattr(torch._inductor.config, option, value)
+    device = pick_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    built = zoo.build(args.model, device=device, dtype=dtype)
+    model = built.model
+    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly N tokens
+    inputs = built.inputs(args.batch_size, LENGTH, 1)
+    cachelife.enable(model)
+
+    def run(tokens: int) -> torch.Tensor:
+        return decode(model, inputs, max_new_tokens=tokens, steps_per_call=1)
+
+    first_call_s, tokens = timed(device, lambda: run(args.long))
+    tokens = tokens[:, : tokens.shape[1] - args.long + args.tokens]  # the first --tokens new tokens
+    run(args.short)  # the other cache shape's graph, compiled and recorded before anything is timed
+    short = min(timed(device, lambda: run(args.short))[0] for _ in range(3))
+    long = min(timed(device, lambda: run(args.long))[0] for _ in range(3))
+    record: dict[str, Any] = {
+        "preset": args.child,
+        "options": PRESETS[args.child],
+        "first_call_s": round(first_call_s, 3),
+        "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),
+        "kernels": kernel_profile(device, run, args.short, args.long),
+    }
+    torch.save(tokens.cpu(), Path(args.scratch) / f"{args.child}-tokens.pt")
+    if dtype != torch.float32:
+        reference = tokens if args.child == "baseline" else torch.load(Path(args.scratch) / "baseline-tokens.pt")
+        logits = teacher_forced_logits(model, inputs, reference.to(device))
+        torch.save(logits.cpu(), Path(args.scratch) / f"{args.child}-logits.pt")
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def run_preset(preset: str, args: argparse.Namespace, dtype: str, scratch: Path) -> dict[str, Any]:
+    """Run one preset in a fresh process with an empty compile cache; its record and correctness."""
+    cache_dir = scratch / f"cache-{preset}"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable, "-m", "bench.levers", "--child", preset, "--scratch", str(scratch), "--device", args.device,
+        "--model", args.model, "--batch-size", str(args.batch_size), "--dtype", dtype, "--tokens", str(args.tokens),
+        "--short", str(args.short), "--long", str(args.long),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        return {"preset": preset, "returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
+    record: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    record["process_s"] = round(time.perf_counter() - started, 1)
+    record["correctness"] = correctness(scratch, preset, dtype)
+    return record
+
+
+def correctness(scratch: Path, preset: str, dtype: str) -> dict[str, Any]:
+    """Tokens against the baseline's (equal, or the fraction equal), and the largest logit difference."""
+    tokens, reference = (torch.load(scratch / f"{name}-tokens.pt") for name in (preset, "baseline"))
+    result: dict[str, Any] = {
+        "tokens_equal": bool(torch.equal(tokens, reference)),
+        "token_agreement": round(float((tokens == reference).float().mean()), 4),
+        "first_divergence": first_divergence(tokens, reference),
+    }
+    if dtype != "float32":
+        logits, baseline = (torch.load(scratch / f"{name}-logits.pt") for name in (preset, "baseline"))
+        result["max_logit_diff"] = float((logits - baseline).abs().max())
+        result["teacher_forced_argmax_agreement"] = round(
+            float((logits.argmax(-1) == baseline.argmax(-1)).float().mean()), 4
+        )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="whisper-small")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--presets", default=",".join(PRESETS), help=f"any of {', '.join(PRESETS)}")
+    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens compared with the baseline")
+    parser.add_argument("--short", type=int, default=64, help="new tokens of the short timed run")
+    parser.add_argument("--long", type=int, default=192, help="new tokens of the long timed run")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--child", choices=PRESETS, help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if not 0 < args.short < args.long or args.tokens > args.long:
+        parser.error(
+            f"expected 0 < --short < --long and --tokens <= --long, got {args.short}, {args.long}, {args.tokens}"
+        )
+    presets = ["baseline", *(name for name in args.presets.split(",") if name != "baseline")]
+    unknown = [name for name in presets if name not in PRESETS]
+    if unknown:
+        parser.error(f"unknown presets {unknown}; choose from {', '.join(PRESETS)}")
+    device = pick_device(args.device)
+    record: dict[str, Any] = {
+        **header("levers", device),
+        "settings": {
+            "model": args.model, "batch_size": args.batch_size, "input_length": LENGTH, "tokens": args.tokens,
+            "timed_new_tokens": [args.short, args.long], "steps_per_call": 1,
+        },
+        "results": [],
+    }  # fmt: skip
+    chosen = "" if set(presets) == set(PRESETS) else "-" + "+".join(presets[1:] or presets)
+    stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '+')}{chosen}"
+    out = results_path(args.out, stem, device)
+    for dtype in args.dtypes.split(","):
+        with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
+            for preset in presets:
+                result = {"dtype": dtype, **run_preset(preset, args, dtype, Path(scratch))}
+                record["results"].append(result)
+                out.write_text(json.dumps(record, indent=1) + "\n")
+                print(json.dumps(result), flush=True)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

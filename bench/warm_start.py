@@ -1,0 +1,162 @@
+"""Warm starts: the first call of a fresh process with a cold, a shared and a carried compile cache.
+
+    python -m bench.warm_start [--device cuda|cpu] [--models t5-small] [--paths generate,decode]
+                               [--dtype float32] [--new-tokens 32]
+
+For each model and path (`generate`: an enabled model with a compiled forward, `mode="reduce-overhead"` on a
+GPU; `decode`: `cachelife.decode`, 1 step per call), three fresh processes, one after another:
+- `empty_dir`: an empty TORCHINDUCTOR_CACHE_DIR (the first deployment); after warm-up it saves
+  `cachelife.save_compile_artifacts`;
+- `shared_dir`: a second process on the same directory (a restart on the same machine);
+- `loaded_artifacts`: another empty directory, `cachelife.load_compile_artifacts` before the first call (a
+  new machine that received the file).
+Each reports its first call (seconds, compilation included), a second call, the artifact load time, torch's
+compile-cache hit and miss counters, and its tokens, which must be equal in all three. Batch 4, input length
+48. Writes `<out>/warm-start-<device>-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from attrs import asdict
+from torch._dynamo.utils import counters
+from transformers import PreTrainedModel
+
+import cachelife
+from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
+from bench.timing import timed
+from cachelife import zoo
+from cachelife.decode import decode
+from cachelife.recipe import pick_device
+
+BATCH, LENGTH = 4, 48
+ROLES = ("empty_dir", "shared_dir", "loaded_artifacts")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fresh process: optionally load artifacts, build, first and second call, optionally save."""
+    load_s = 0.0
+    if args.child == "loaded_artifacts":
+        started = time.perf_counter()
+        cachelife.load_compile_artifacts(args.artifacts)
+        load_s = time.perf_counter() - started
+    device = pick_device(args.device)
+    built = zoo.build(args.model, device=device, dtype=getattr(torch, args.dtype))
+    model = built.model
+    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly new_tokens
+    inputs = built.inputs(BATCH, LENGTH, 1)
+    cachelife.enable(model)
+    call = (
+        _generate_call(model, inputs, args.new_tokens)
+        if args.path == "generate"
+        else _decode_call(model, inputs, args.new_tokens)
+    )
+    first_s, tokens = timed(device, call)
+    second_s, _ = timed(device, call)
+    saved: dict[str, Any] | None = None
+    if args.child == "empty_dir":
+        saved = asdict(cachelife.save_compile_artifacts(args.artifacts))
+        saved["file_bytes"] = os.path.getsize(args.artifacts)
+    record = {
+        "role": args.child,
+        "load_artifacts_s": round(load_s, 3),
+        "first_call_s": round(first_s, 3),
+        "second_call_s": round(second_s, 3),
+        "counters": {name: dict(counters[name]) for name in ("inductor", "aot_autograd")},
+        "saved": saved,
+        "tokens": tokens.tolist(),
+    }
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def _generate_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
+    """`generate` with a compiled forward (CUDA graphs on a GPU) on an enabled model."""
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    cachelife.compile_forward(model, mode=mode, fullgraph=True)
+    settings = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    return lambda: zoo.generate_tokens(model, inputs, cache_implementation="static", **settings)
+
+
+def _decode_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
+    """`cachelife.decode`, one compiled step per call."""
+    return lambda: decode(model, inputs, max_new_tokens=new_tokens)
+
+
+def run_role(role: str, args: argparse.Namespace, model: str, path: str, folder: Path) -> dict[str, Any]:
+    """Run one fresh process for `role`; its record, or its return code and stderr's tail."""
+    cache_dir = folder / ("cache-loaded" if role == "loaded_artifacts" else "cache-shared")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable, "-m", "bench.warm_start", "--child", role, "--artifacts", str(folder / "warm.artifacts"),
+        "--device", args.device, "--model", model, "--path", path, "--dtype", args.dtype,
+        "--new-tokens", str(args.new_tokens),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        return {"role": role, "returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
+    record: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    record["process_s"] = round(time.perf_counter() - started, 3)
+    return record
+
+
+def measure(args: argparse.Namespace, model: str, path: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="warm-start-") as scratch:
+        records = {role: run_role(role, args, model, path, Path(scratch)) for role in ROLES}
+    tokens = [record.pop("tokens", None) for record in records.values()]
+    result: dict[str, Any] = {"model": model, "path": path, **records}
+    result["tokens_equal"] = tokens[0] is not None and all(other == tokens[0] for other in tokens)
+    cold = records["empty_dir"].get("first_call_s")
+    for role in ROLES[1:]:
+        warm = records[role].get("first_call_s")
+        records[role]["speedup_over_empty_dir"] = round(cold / warm, 2) if cold and warm else None
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--models", default="t5-small")
+    parser.add_argument("--paths", default="generate", help="generate, decode or both, comma-separated")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--child", choices=ROLES, help=argparse.SUPPRESS)
+    parser.add_argument("--artifacts", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    device = pick_device(args.device)
+    record: dict[str, Any] = {
+        **header("warm-start", device),
+        "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": args.new_tokens, "dtype": args.dtype},
+        "results": [],
+    }
+    out = results_path(args.out, "warm-start", device)
+    for model in args.models.split(","):
+        for path in args.paths.split(","):
+            record["results"].append(measure(args, model, path))
+            out.write_text(json.dumps(record, indent=1) + "\n")
+            print(json.dumps(record["results"][-1]), flush=True)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
