@@ -228,10 +228,9 @@ def test_artifacts_saved_in_one_process_warm_another_with_an_empty_cache(tmp_pat
     artifacts = tmp_path / "t5.artifacts"
     saving = run_child("save", artifacts, tmp_path / "cache-a")
     loading = run_child("load", artifacts, tmp_path / "cache-b")
-    print(f"first call: {saving['seconds']:.2f} s compiling, {loading['seconds']:.2f} s with loaded artifacts")
     assert loading["tokens"] == saving["tokens"]
     assert cache_counts(saving)["hits"] == 0
     assert cache_counts(saving)["misses"] > 0
     assert cache_counts(loading) == {"hits": cache_counts(loading)["hits"], "misses": 0}
     assert cache_counts(loading)["hits"] > 0
-    assert loading["seconds"] < saving["seconds"]
+    # How much faster the warm first call is belongs to bench/warm_start.py, not to a test's verdict.
