@@ -20,6 +20,7 @@ from cachelife.errors import (
     UnsupportedCacheError,
     UnsupportedGenerationError,
 )
+from cachelife.generation import generate
 from cachelife.integration import (
     CacheLifecycleMixin,
     disable,
@@ -69,6 +70,7 @@ __all__ = [
     "disable_debug_logging",
     "enable",
     "enable_debug_logging",
+    "generate",
     "infer_cache_shapes",
     "is_enabled",
     "is_managed_cache",
