@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
 
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
 from cachelife.generation.loop import LoopSettings, decoding_method, fall_back
@@ -28,8 +29,9 @@ def generate(
     compile_step: bool = True,
     generator: torch.Generator | None = None,
     **kwargs: Any,
-) -> torch.Tensor:
-    """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop.
+) -> torch.Tensor | ModelOutput:
+    """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
+    whatever `model.generate(**kwargs)` returns).
 
     `steps_per_call` decoding steps run per call of the compiled function; the host checks for the end every
     `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` seeds
@@ -41,7 +43,7 @@ def generate(
     feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
     if feature is not None:
         fall_back(feature, fallback)
-        return _tokens(model.generate(**kwargs))
+        return model.generate(**kwargs)
     settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator)
     return _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings)))
 

@@ -8,8 +8,9 @@ transformers computes them) and applied as a multiplication by their float32 rec
 PyTorch uses to divide a tensor by a Python float. After the search ends, the update changes nothing.
 
 The self-attention cache is reordered in place (`keys.copy_(keys.index_select(0, beam_idx))`: same tensors,
-same addresses); the cross-attention cache is not touched: every beam of one input holds the same encoder
-keys and values, and a reorder only moves rows within one input's beams.
+same addresses), at the start of the next step (`reorder_cache`). The cross-attention cache is not touched:
+every beam of one input holds the same encoder keys and values, and a reorder only moves rows within one
+input's beams.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class BeamState:
     improvable: torch.Tensor  # (batch, 1) bool: is_early_stop_heuristic_unsatisfied
     cur_len: torch.Tensor  # () long
     running: torch.Tensor  # () bool: not this_peer_finished
+    beam_idx: torch.Tensor  # (batch * beams,) long: the cache rows the next step reads, before its forward
 
     @classmethod
     def allocate(cls, plan: BeamPlan, device: torch.device) -> BeamState:
@@ -107,6 +109,7 @@ class BeamState:
             torch.zeros(plan.batch, 1, dtype=torch.bool, device=device),
             torch.zeros((), dtype=torch.long, device=device),
             torch.zeros((), dtype=torch.bool, device=device),
+            torch.arange(plan.batch * plan.beams, device=device),
         )
         for tensor in state.tensors():
             torch._dynamo.mark_static_address(tensor)
@@ -116,6 +119,7 @@ class BeamState:
         return (
             self.running_sequences, self.running_beam_scores, self.running_beam_indices, self.sequences,
             self.beam_scores, self.beam_indices, self.is_sent_finished, self.improvable, self.cur_len, self.running,
+            self.beam_idx,
         )  # fmt: skip
 
     def start(self, prompt: torch.Tensor, plan: BeamPlan, fill: int) -> None:
@@ -132,6 +136,7 @@ class BeamState:
         self.improvable.fill_(True)
         self.cur_len.fill_(prompt.shape[1])
         self.running.fill_(True)
+        self.beam_idx.copy_(torch.arange(self.beam_idx.shape[0], device=self.beam_idx.device))
 
     def last_tokens(self) -> torch.Tensor:
         """The token at `cur_len - 1` of every running beam, shape (batch * beams, 1)."""
@@ -151,14 +156,14 @@ def _write_column(tensor: torch.Tensor, at: torch.Tensor, values: torch.Tensor) 
     return torch.where(column, values.unsqueeze(-1).to(tensor.dtype), tensor)
 
 
-def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan, self_attention: Sequence[object]) -> None:
-    """One beam-search iteration on `logits` (batch * beams, vocab; float32), then the in-place reorder of
-    the self-attention layers (objects with `keys` and `values`)."""
+def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan) -> None:
+    """One beam-search iteration on `logits` (batch * beams, vocab; float32). The cache rows the next step
+    reads are left in `state.beam_idx`, for `reorder_cache` to apply before that step's forward call."""
     batch, beams, keep = plan.batch, plan.beams, plan.keep
     cur_len, running = state.cur_len, state.running
     rows = batch * beams
     log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
-    flat_sequences = state.running_sequences.view(rows, -1)
+    flat_sequences = state.running_sequences.view(rows, -1).clone()  # not a view of a buffer this step writes
     for processor in plan.processors:
         log_probs = processor(flat_sequences, cur_len, log_probs)
     vocab = log_probs.shape[-1]
@@ -194,12 +199,14 @@ def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan, self_atten
     )  # fmt: skip
 
     # g. cache reorder, length, stopping (_check_early_stop_heuristic, _beam_search_has_unfinished_sequences)
-    at = (cur_len - plan.prompt_length).view(1, 1, 1).expand(batch, beams, 1)
+    # Clamped: after the search ended, steps still run (the host checks every few steps) and must stay in bounds.
+    last_column = state.running_beam_indices.shape[-1] - 1
+    at = (cur_len - plan.prompt_length).clamp(max=last_column).view(1, 1, 1).expand(batch, beams, 1)
     beam_idx = running_beam_indices.gather(2, at.to(torch.long)).view(rows).to(torch.long)
     beam_idx = torch.where(running, beam_idx, torch.arange(rows, device=beam_idx.device))
-    _reorder_in_place(self_attention, beam_idx)
-    next_len = cur_len + 1
-    best_running = running_beam_scores[:, :1] * plan.heuristic_scale[next_len]
+    state.beam_idx.copy_(beam_idx)
+    next_len = (cur_len + 1).clamp(max=plan.max_length)
+    best_running = running_beam_scores[:, :1] * plan.heuristic_scale.index_select(0, next_len.view(1))
     worst_finished = torch.where(is_sent_finished, torch.min(beam_scores, dim=1, keepdim=True)[0], -1.0e9)
     improvable = state.improvable & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
     open_beam = ~(torch.all(is_sent_finished) & (plan.early_stopping is True))
@@ -227,7 +234,7 @@ def _update_finished(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_update_finished_beams`: keep the best `beams` of the finished and the just-finished candidates."""
     just_finished = hits & plan.top_beam_mask[None, :]
-    finished_log_probs = topk_log_probs * plan.finished_scale[state.cur_len]
+    finished_log_probs = topk_log_probs * plan.finished_scale.index_select(0, state.cur_len.view(1))
     full = torch.all(state.is_sent_finished, dim=-1, keepdim=True) & (plan.early_stopping is True)
     finished_log_probs = finished_log_probs + full.to(torch.float32) * _NEG
     finished_log_probs = finished_log_probs + (~state.improvable).to(torch.float32) * _NEG
@@ -243,12 +250,17 @@ def _update_finished(
     )  # fmt: skip
 
 
-def _reorder_in_place(self_attention: Sequence[object], beam_idx: torch.Tensor) -> None:
-    """Write the selected rows back into each self-attention layer's own keys and values."""
+def reorder_cache(state: BeamState, self_attention: Sequence[object]) -> None:
+    """Write the rows `state.beam_idx` selects back into each self-attention layer's own keys and values.
+
+    Called at the start of a step, before its forward call writes the cache: inductor (torch 2.13, CPU)
+    miscompiles `keys.copy_(keys.index_select(0, idx))` right after an `index_copy_` into the same buffer in
+    one graph (it reads rows it has already overwritten), and gets this order right.
+    """
     for layer in self_attention:
         for name in ("keys", "values"):
             buffer: torch.Tensor = getattr(layer, name)
-            buffer.copy_(buffer.index_select(0, beam_idx))
+            buffer.copy_(buffer.index_select(0, state.beam_idx))
 
 
 def beam_output(state: BeamState, plan: BeamPlan, num_return_sequences: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 import cachelife
 from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import UnsupportedGenerationError
-from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step
+from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.processors import tensor_processors, unsupported_processor
 from cachelife.integration import cache_argument_name
@@ -280,8 +280,9 @@ def beam_steps(
 ) -> None:
     """`steps` beam-search steps (the function that gets compiled)."""
     for _ in range(steps):
+        reorder_cache(state, self_attention)
         output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
-        beam_step(state, output.logits[:, -1].to(torch.float32), plan, self_attention)
+        beam_step(state, output.logits[:, -1].to(torch.float32), plan)
 
 
 def _self_attention_layers(cache: object) -> tuple[object, ...]:
@@ -319,7 +320,7 @@ def _beam_search(
         raise UnsupportedGenerationError(msg)
     state.start(input_ids, plan, fill)
     layers = _self_attention_layers(step_inputs[cache_argument_name(model)])
-    beam_step(state, first_logits, plan, layers)
+    beam_step(state, first_logits, plan)
     step = _compiled(model, "beams", beam_steps) if settings.compile_step else beam_steps
     name = _input_name(model)
     _run(

@@ -40,6 +40,23 @@ class GenerationConfig:
     forced_eos_token_id: int | list[int] | None
     no_repeat_ngram_size: int | None
     do_sample: bool
+    min_length: int | None
+    min_new_tokens: int | None
+    max_new_tokens: int | None
+    forced_bos_token_id: int | None
+    bad_words_ids: list[list[int]] | None
+    suppress_tokens: list[int] | None
+    begin_suppress_tokens: list[int] | None
+    repetition_penalty: float | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    # Whisper's fields, set on the plain GenerationConfig of Whisper checkpoints.
+    lang_to_id: dict[str, int]
+    task_to_id: dict[str, int]
+    is_multilingual: bool
+    no_timestamps_token_id: int
+    return_timestamps: bool
     early_stopping: bool | str
     length_penalty: float
     # Set by GenerationMixin._prepare_special_tokens (cachelife.generate reads them inside generate).
