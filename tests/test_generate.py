@@ -340,6 +340,11 @@ def test_compiled_greedy_with_processors_reuses_graph_and_buffers() -> None:
     second = tokens(cachelife.generate(model, fallback=False, **inputs_of(built), **settings))
     assert torch.equal(second, expected)
     assert _frames() == graphs  # no recompilation
+    shorter = {**settings, "max_new_tokens": NEW - 3}  # another length in the same 64-column buffer
+    assert torch.equal(
+        tokens(cachelife.generate(model, fallback=False, **inputs_of(built), **shorter)), reference(built, **shorter)
+    )
+    assert _frames() == graphs
     assert pool.hits > hits
     assert pool.misses == misses  # the second call decoded on the first call's cache buffers
 
@@ -360,6 +365,9 @@ def test_compiled_beam_search_reuses_graph_and_buffers() -> None:
     graphs = _frames()
     out = cachelife.generate(model, fallback=False, steps_per_call=3, **inputs_of(built), **settings)
     assert torch.equal(tokens(out), expected)
+    shorter = {**settings, "max_new_tokens": NEW - 4}
+    out = cachelife.generate(model, fallback=False, steps_per_call=3, **inputs_of(built), **shorter)
+    assert torch.equal(tokens(out), reference(built, **shorter))
     assert _frames() == graphs
 
 
@@ -368,7 +376,11 @@ def test_several_steps_per_call_and_late_stop_checks(name: str) -> None:
     built = build(name)
     free = generated(built)
     built.model.generation_config.eos_token_id = int(free[0, 4])  # one row ends early, the other runs on
-    for settings in ({"max_new_tokens": NEW}, {"max_new_tokens": NEW, "num_beams": 3, "num_return_sequences": 2}):
+    cases: list[dict[str, Any]] = [
+        {"max_new_tokens": NEW},
+        {"max_new_tokens": NEW, "num_beams": 3, "num_return_sequences": 2},
+    ]
+    for settings in cases:
         expected = reference(built, **settings)
         for steps, every in ((3, 1), (4, 16), (5, 2)):
             out = cachelife.generate(

@@ -34,12 +34,15 @@ class BeamPlan:
     batch: int
     beams: int
     keep: int  # candidates kept per step: max(2, 1 + number of end tokens) * beams
-    prompt_length: int
-    max_length: int
+    prompt_length: int  # host only; the step reads `prompt`
+    max_length: int  # host only; the step reads `limit`
+    width: int  # columns of the state buffers: max_length rounded up (`buffer_width`)
+    prompt: torch.Tensor  # 0-dim long
+    limit: torch.Tensor  # 0-dim long: max_length
     early_stopping: bool | str
     top_beam_mask: torch.Tensor  # (keep,) bool: the first `beams` candidates
-    finished_scale: torch.Tensor  # (max_length + 1,) float32: 1 / (cur_len + 1 - prompt) ** length_penalty
-    heuristic_scale: torch.Tensor  # (max_length + 1,) float32: 1 / best hypothetical length ** length_penalty
+    finished_scale: torch.Tensor  # (width + 1,) float32: 1 / (cur_len + 1 - prompt) ** length_penalty
+    heuristic_scale: torch.Tensor  # (width + 1,) float32: 1 / best hypothetical length ** length_penalty
 
     @classmethod
     def make(
@@ -57,15 +60,24 @@ class BeamPlan:
     ) -> BeamPlan:
         keep = max(2, 1 + (0 if eos is None else int(eos.numel()))) * beams
         mask = torch.cat([torch.ones(beams, dtype=torch.bool), torch.zeros(keep - beams, dtype=torch.bool)])
-        finished = [_power(cur_len + 1 - prompt_length, length_penalty) for cur_len in range(max_length + 1)]
+        width = buffer_width(max_length)
+        lengths = range(width + 1)
+        finished = [_power(cur_len + 1 - prompt_length, length_penalty) for cur_len in lengths]
         if early_stopping == "never" and length_penalty > 0.0:
-            best = [_power(max_length - prompt_length, length_penalty) for _ in range(max_length + 1)]
+            best = [_power(max_length - prompt_length, length_penalty) for _ in lengths]
         else:
-            best = [_power(cur_len - prompt_length, length_penalty) for cur_len in range(max_length + 1)]
+            best = [_power(cur_len - prompt_length, length_penalty) for cur_len in lengths]
         return cls(
-            processors, eos, batch, beams, keep, prompt_length, max_length, early_stopping, mask.to(device),
-            _reciprocals(finished, device), _reciprocals(best, device),
+            processors, eos, batch, beams, keep, prompt_length, max_length, width,
+            torch.tensor(prompt_length, device=device), torch.tensor(max_length, device=device), early_stopping,
+            mask.to(device), _reciprocals(finished, device), _reciprocals(best, device),
         )  # fmt: skip
+
+
+def buffer_width(max_length: int) -> int:
+    """Columns of token buffers for `max_length`: rounded up to a multiple of 64, so that nearby lengths share
+    one compiled shape."""
+    return 64 * -(-max_length // 64)
 
 
 def _power(base: int, exponent: float) -> float:
@@ -82,9 +94,9 @@ def _reciprocals(values: Sequence[float], device: torch.device) -> torch.Tensor:
 class BeamState:
     """Static buffers of one beam search, mutated in place (names as in transformers' `_beam_search`)."""
 
-    running_sequences: torch.Tensor  # (batch, beams, max_length) long
+    running_sequences: torch.Tensor  # (batch, beams, width) long
     running_beam_scores: torch.Tensor  # (batch, beams) float32
-    running_beam_indices: torch.Tensor  # (batch, beams, max_length - prompt) int32
+    running_beam_indices: torch.Tensor  # (batch, beams, width) int32
     sequences: torch.Tensor
     beam_scores: torch.Tensor
     beam_indices: torch.Tensor
@@ -96,8 +108,8 @@ class BeamState:
 
     @classmethod
     def allocate(cls, plan: BeamPlan, device: torch.device) -> BeamState:
-        shape, width = (plan.batch, plan.beams), plan.max_length
-        generated = width - plan.prompt_length
+        shape, width = (plan.batch, plan.beams), plan.width
+        generated = width  # indices of generated tokens; `width` columns whatever the prompt length
         state = cls(
             torch.zeros(*shape, width, dtype=torch.long, device=device),
             torch.zeros(shape, device=device),
@@ -178,10 +190,10 @@ def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan) -> None:
     topk_ids = topk_indices % vocab
     topk_sequences = _write_column(topk_sequences, cur_len, topk_ids)
     offset = torch.arange(batch, device=topk_ids.device).view(-1, 1) * beams
-    topk_beam_indices = _write_column(topk_beam_indices, cur_len - plan.prompt_length, topk_current + offset)
+    topk_beam_indices = _write_column(topk_beam_indices, cur_len - plan.prompt, topk_current + offset)
 
     # d. which continuations hit a stopping criterion (end token, or max_length)
-    hits = (cur_len + 1 >= plan.max_length).expand(batch, keep)
+    hits = (cur_len + 1 >= plan.limit).expand(batch, keep)
     if plan.eos is not None:
         hits = hits | torch.isin(topk_ids, plan.eos)
 
@@ -201,11 +213,11 @@ def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan) -> None:
     # g. cache reorder, length, stopping (_check_early_stop_heuristic, _beam_search_has_unfinished_sequences)
     # Clamped: after the search ended, steps still run (the host checks every few steps) and must stay in bounds.
     last_column = state.running_beam_indices.shape[-1] - 1
-    at = (cur_len - plan.prompt_length).clamp(max=last_column).view(1, 1, 1).expand(batch, beams, 1)
+    at = (cur_len - plan.prompt).clamp(max=last_column).view(1, 1, 1).expand(batch, beams, 1)
     beam_idx = running_beam_indices.gather(2, at.to(torch.long)).view(rows).to(torch.long)
     beam_idx = torch.where(running, beam_idx, torch.arange(rows, device=beam_idx.device))
     state.beam_idx.copy_(beam_idx)
-    next_len = (cur_len + 1).clamp(max=plan.max_length)
+    next_len = (cur_len + 1).clamp(max=plan.width)
     best_running = running_beam_scores[:, :1] * plan.heuristic_scale.index_select(0, next_len.view(1))
     worst_finished = torch.where(is_sent_finished, torch.min(beam_scores, dim=1, keepdim=True)[0], -1.0e9)
     improvable = state.improvable & torch.any(best_running > worst_finished, dim=-1, keepdim=True)

@@ -22,7 +22,7 @@ class Choice:
     do_sample: bool
     eos: torch.Tensor | None  # (n,) end-of-sequence ids, or None: no end, no padding
     pad: int
-    max_length: int
+    max_length: torch.Tensor  # 0-dim long: not a compile-time constant, so every length shares one graph
 
 
 @frozen

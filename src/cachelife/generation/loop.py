@@ -26,7 +26,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 import cachelife
 from cachelife.compile_cache import pinned_compile_cache
 from cachelife.errors import UnsupportedGenerationError
-from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, reorder_cache
+from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.processors import tensor_processors, unsupported_processor
 from cachelife.integration import cache_argument_name
@@ -225,13 +225,14 @@ def _greedy(
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int(config.max_length)
     spc = settings.steps_per_call
-    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, max_length + spc)
+    width = buffer_width(max_length)
+    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, width + spc)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = _eos(config)
     pad_tensor = config._pad_token_tensor
     choice = Choice(
         tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
-        0 if pad_tensor is None else int(pad_tensor), max_length,
+        0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
     )  # fmt: skip
     generator = settings.generator if config.do_sample else None
     if config.do_sample and generator is None:
@@ -240,9 +241,9 @@ def _greedy(
     def make() -> tuple[GreedyState, torch.Tensor]:
         noise = torch.ones(spc, rows, vocab, device=device)
         torch._dynamo.mark_static_address(noise)
-        return GreedyState.allocate(rows, max_length, device), noise
+        return GreedyState.allocate(rows, width, device), noise
 
-    key = ("greedy", rows, max_length, vocab, spc)
+    key = ("greedy", rows, width, vocab, spc)
     pooled = _pooled_state(model, key, make)
     if not isinstance(pooled, tuple) or not isinstance(pooled[0], GreedyState):
         msg = f"pooled greedy state for {key!r} is a {type(pooled).__name__}, expected (GreedyState, noise)"
@@ -303,7 +304,7 @@ def _beam_search(
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int(config.max_length)
     spc = settings.steps_per_call
-    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, max_length + spc)
+    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, buffer_width(max_length) + spc)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = _eos(config)
     plan = BeamPlan.make(
@@ -313,7 +314,7 @@ def _beam_search(
     )  # fmt: skip
     pad, eos_ids = config._pad_token_tensor, config._eos_token_tensor
     fill = int(pad or eos_ids[0] if eos_ids is not None else -1)  # `_beam_search`'s output_fill_value, as written
-    key = ("beams", plan.batch, beams, prompt_length, max_length)
+    key = ("beams", plan.batch, beams, plan.width)
     state = _pooled_state(model, key, lambda: BeamState.allocate(plan, device))
     if not isinstance(state, BeamState):
         msg = f"pooled beam state for {key!r} is a {type(state).__name__}, expected BeamState"

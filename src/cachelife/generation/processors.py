@@ -71,7 +71,7 @@ class _SuppressAtBegin:
     """SuppressTokensAtBeginLogitsProcessor: -inf on `ids` at the step where the length is `begin_index`."""
 
     ids: torch.Tensor
-    begin_index: int
+    begin_index: torch.Tensor  # 0-dim: a prompt length, not a compile-time constant
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         suppressed = torch.where(_vocab_mask(self.ids, scores), -float("inf"), scores)
@@ -84,7 +84,7 @@ class _NoEosBefore:
 
     eos: torch.Tensor
     minimum: int
-    skip: int
+    skip: torch.Tensor  # 0-dim: the prompt length for min_new_tokens, 0 for min_length
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         blocked = torch.where(_vocab_mask(self.eos, scores), -math.inf, scores)
@@ -96,7 +96,7 @@ class _ForceAt:
     """ForcedBOS / ForcedEOS: at the step where the length is `at`, every score is -inf but `ids`' (0)."""
 
     ids: torch.Tensor
-    at: int
+    at: torch.Tensor  # 0-dim: 1, or max_length - 1 (not a compile-time constant)
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         forced = torch.full_like(scores, -math.inf).index_fill(1, self.ids, 0.0)
@@ -180,6 +180,10 @@ def tensor_processors(
     return tuple(_convert(processor, vocab_size, device) for processor in processors)
 
 
+def _scalar(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.long, device=device)
+
+
 def _eos(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.to(device=device, dtype=torch.long).view(-1)
 
@@ -187,16 +191,17 @@ def _eos(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.device) -> TensorProcessor:  # noqa: PLR0911 (one case per processor class)
     match processor:
         case lp.SuppressTokensAtBeginLogitsProcessor():
-            return _SuppressAtBegin(_eos(processor.begin_suppress_tokens, device), int(processor.begin_index))
+            begin = _scalar(int(processor.begin_index), device)
+            return _SuppressAtBegin(_eos(processor.begin_suppress_tokens, device), begin)
         case lp.MinLengthLogitsProcessor():
-            return _NoEosBefore(_eos(processor.eos_token_id, device), processor.min_length, 0)
+            return _NoEosBefore(_eos(processor.eos_token_id, device), processor.min_length, _scalar(0, device))
         case lp.MinNewTokensLengthLogitsProcessor():
-            eos = _eos(processor.eos_token_id, device)
-            return _NoEosBefore(eos, processor.min_new_tokens, processor.prompt_length_to_skip)
+            eos, skip = _eos(processor.eos_token_id, device), _scalar(processor.prompt_length_to_skip, device)
+            return _NoEosBefore(eos, processor.min_new_tokens, skip)
         case lp.ForcedBOSTokenLogitsProcessor():
-            return _ForceAt(torch.tensor([processor.bos_token_id], device=device), 1)
+            return _ForceAt(torch.tensor([processor.bos_token_id], device=device), _scalar(1, device))
         case lp.ForcedEOSTokenLogitsProcessor():
-            return _ForceAt(_eos(processor.eos_token_id, device), processor.max_length - 1)
+            return _ForceAt(_eos(processor.eos_token_id, device), _scalar(processor.max_length - 1, device))
         case lp.RepetitionPenaltyLogitsProcessor():
             ignore = processor.prompt_ignore_length
             if isinstance(ignore, int):
