@@ -6,7 +6,8 @@ functions `(tokens, length, scores) -> scores` that read the current length from
 tokens so far from a fixed-size buffer `(rows, width)`, so that one compiled step serves every position
 without a host sync or a recompilation. transformers' processors that look only at the scores are called as
 they are; the ones that read `input_ids.shape[-1]` (the length as a Python int) or the whole `input_ids`
-are rewritten here with the same arithmetic:
+are rewritten here with the same arithmetic, their own positions (begin index, prompt length, max_length - 1)
+held as 0-dim tensors too, so that calls of other lengths share the compiled step:
 
 | transformers processor                | here                                      |
 |---------------------------------------|-------------------------------------------|
