@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticSlidingWindowLayer
 from transformers.generation.utils import GenerationMixin
@@ -21,7 +22,13 @@ INSTANCE_ONLY = {"keys", "values", "is_initialized", "max_cache_len", "cumulativ
                  "generation_config", "model_type", "is_encoder_decoder", "fullgraph", "dynamic", "backend", "mode",
                  "num_beams", "num_return_sequences", "cache_implementation", "compile_config", "disable_compile",
                  "max_length", "max_source_positions", "num_mel_bins", "eos_token_id", "pad_token_id",
-                 "decoder_start_token_id", "forced_eos_token_id", "no_repeat_ngram_size"}  # fmt: skip
+                 "decoder_start_token_id", "forced_eos_token_id", "no_repeat_ngram_size"} | {
+    # GenerationConfig fields cachelife.generate reads or the zoo sets (checked on instances below).
+    "do_sample", "min_length", "min_new_tokens", "max_new_tokens", "forced_bos_token_id", "bad_words_ids",
+    "suppress_tokens", "begin_suppress_tokens", "repetition_penalty", "temperature", "top_k", "top_p",
+    "early_stopping", "length_penalty", "_eos_token_tensor", "_pad_token_tensor",
+    "lang_to_id", "task_to_id", "is_multilingual", "no_timestamps_token_id", "return_timestamps",
+}  # fmt: skip
 
 
 def stub_members() -> list[tuple[str, str, str]]:
@@ -64,6 +71,20 @@ def test_instance_attributes_exist() -> None:
         "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id", "no_repeat_ngram_size",
     ):  # fmt: skip
         assert hasattr(generation, name), name
+    for name in (
+        "do_sample", "min_length", "min_new_tokens", "max_new_tokens", "forced_bos_token_id", "bad_words_ids",
+        "suppress_tokens", "begin_suppress_tokens", "repetition_penalty", "temperature", "top_k", "top_p",
+        "early_stopping", "length_penalty",
+    ):  # fmt: skip
+        assert hasattr(generation, name), name
+    # Set by GenerationMixin._prepare_special_tokens inside generate; Whisper's fields by its checkpoints.
+    whisper = zoo.build("whisper").model
+    whisper._prepare_special_tokens(whisper.generation_config, False, device=torch.device("cpu"))
+    for name in ("_eos_token_tensor", "_pad_token_tensor"):
+        assert hasattr(whisper.generation_config, name), name
+    zoo.whisper_tiny_generation(whisper.generation_config)
+    for name in ("lang_to_id", "task_to_id", "is_multilingual", "no_timestamps_token_id", "return_timestamps"):
+        assert hasattr(whisper.generation_config, name), name
 
 
 def test_the_documented_signature_of_prepare_cache_for_generation() -> None:

@@ -26,6 +26,7 @@ from cachelife.errors import (
     UnsupportedCacheError,
     UnsupportedGenerationError,
 )
+from cachelife.generation import generate
 from cachelife.layer_lifecycle import (
     TRANSITIONS,
     Filled,
@@ -87,6 +88,7 @@ __all__ = [
     "disable_debug_logging",
     "enable",
     "enable_debug_logging",
+    "generate",
     "infer_cache_shapes",
     "is_enabled",
     "is_managed_cache",

@@ -15,8 +15,11 @@ from attrs import frozen
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MarianConfig,
+    MarianMTModel,
     PreTrainedConfig,
     PreTrainedModel,
     T5Config,
@@ -119,6 +122,100 @@ def llama_small() -> LlamaConfig:
     )  # fmt: skip
 
 
+def marian_tiny() -> MarianConfig:
+    """Marian with its translation checkpoints' conventions: the pad token (the last id) starts decoding."""
+    return MarianConfig(
+        vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256,
+        pad_token_id=319, decoder_start_token_id=319, eos_token_id=0, forced_eos_token_id=0,
+    )  # fmt: skip
+
+
+def whisper_large_v3_shaped() -> WhisperConfig:
+    """Shaped like whisper-large-v3's decoder (32 layers, d_model 1280, 20 heads, FFN 5120, vocab 51866, 1500
+    encoder positions, 128 mel bins) with 2 encoder layers to keep it cheap (FACTS.md section 6)."""
+    return WhisperConfig(
+        vocab_size=51866, num_mel_bins=128, encoder_layers=2, decoder_layers=32, encoder_attention_heads=20,
+        decoder_attention_heads=20, d_model=1280, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
+        max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50256,
+        bos_token_id=50257, eos_token_id=50257, begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+
+
+def bart_large_cnn_shaped() -> BartConfig:
+    """Shaped like bart-large-cnn: d_model 1024, 12+12 layers, 16 heads, FFN 4096, vocab 50264."""
+    return BartConfig(
+        vocab_size=50264, d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+        decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, max_position_embeddings=1024,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=0,
+        forced_eos_token_id=2,
+    )  # fmt: skip
+
+
+def t5_base_shaped() -> T5Config:
+    """Shaped like t5-base: d_model 768, 12+12 layers, 12 heads of 64, d_ff 3072, vocab 32128."""
+    return T5Config(
+        vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_heads=12,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+
+
+# Whisper's suppress list as whisper-large-v3's generation config ships it (88 ids).
+WHISPER_V3_SUPPRESS_TOKENS: Final[tuple[int, ...]] = (
+    1, 2, 7, 8, 9, 10, 14, 25, 26, 27, 28, 29, 31, 58, 59, 60, 61, 62, 63, 90, 91, 92, 93, 359, 503, 522, 542,
+    873, 893, 902, 918, 922, 931, 1350, 1853, 1982, 2460, 2627, 3246, 3253, 3268, 3536, 3846, 3961, 4183, 4667,
+    6585, 6647, 7273, 9061, 9383, 10428, 10929, 11938, 12033, 12331, 12562, 13793, 14157, 14635, 15265, 15618,
+    16553, 16604, 18362, 18956, 20075, 21675, 22520, 26130, 26161, 26435, 28279, 29464, 31650, 32302, 32470,
+    36865, 42863, 47425, 49870, 50254, 50258, 50359, 50360, 50361, 50362, 50363,
+)  # fmt: skip
+
+
+def whisper_v3_generation(config: GenerationConfig) -> None:
+    """whisper-large-v3's generation-config fields: suppress lists, language and task tokens (100 languages
+    from 50259, translate 50359, transcribe 50360, no-timestamps 50364)."""
+    languages = ("en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr")
+    config.suppress_tokens = list(WHISPER_V3_SUPPRESS_TOKENS)
+    config.begin_suppress_tokens = [220, 50257]
+    config.lang_to_id = {f"<|{code}|>": 50259 + index for index, code in enumerate(languages)}
+    config.task_to_id = {"translate": 50359, "transcribe": 50360}
+    config.is_multilingual = True
+    config.no_timestamps_token_id = 50364
+    config.return_timestamps = False
+    config.max_length = 448
+
+
+def whisper_tiny_generation(config: GenerationConfig) -> None:
+    """The same fields for the tiny Whisper (vocab 300): languages 250-259, translate 260, transcribe 261,
+    no-timestamps 262, a suppress list and begin-suppress [220, eos]."""
+    config.suppress_tokens = [3, 7, 11, 40, 41, 97, 120, 131, 250, 251, 260, 261]
+    config.begin_suppress_tokens = [220, 2]
+    config.lang_to_id = {f"<|{code}|>": 250 + index for index, code in enumerate(("en", "de", "fr"))}
+    config.task_to_id = {"translate": 260, "transcribe": 261}
+    config.is_multilingual = True
+    config.no_timestamps_token_id = 262
+    config.return_timestamps = False
+
+
+def bart_cnn_generation(config: GenerationConfig) -> None:
+    """bart-large-cnn's generation config: 4 beams, no-repeat 3, lengths 56-142, length penalty 2.0, early
+    stopping, forced BOS 0 and EOS 2."""
+    config.num_beams = 4
+    config.no_repeat_ngram_size = 3
+    config.min_length = 56
+    config.max_length = 142
+    config.length_penalty = 2.0
+    config.early_stopping = True
+    config.forced_bos_token_id = 0
+    config.forced_eos_token_id = 2
+
+
+def marian_generation(config: GenerationConfig) -> None:
+    """Marian translation checkpoints' generation config: bad_words_ids [[pad]], 4 beams."""
+    config.bad_words_ids = [[319]]
+    config.num_beams = 4
+    config.max_length = 64
+
+
 def _whisper_inputs(model: PreTrainedModel, config: WhisperConfig) -> Callable[[int, int, int], Inputs]:
     def make(batch_size: int, length: int, seed: int) -> Inputs:
         # Whisper's encoder takes exactly 2 * max_source_positions frames; `length` does not apply.
@@ -139,6 +236,17 @@ _ZOO: Final[Mapping[str, tuple[Callable[[], PreTrainedConfig], type[PreTrainedMo
     "whisper-small": (whisper_small, WhisperForConditionalGeneration),
     "llama": (llama_tiny, LlamaForCausalLM),
     "llama-small": (llama_small, LlamaForCausalLM),
+    "marian": (marian_tiny, MarianMTModel),
+    "whisper-large-v3": (whisper_large_v3_shaped, WhisperForConditionalGeneration),
+    "bart-large-cnn": (bart_large_cnn_shaped, BartForConditionalGeneration),
+    "t5-base": (t5_base_shaped, T5ForConditionalGeneration),
+}
+
+# Generation-config fields the real checkpoints ship, set on `model.generation_config` after building.
+_GENERATION: Final[Mapping[str, Callable[[GenerationConfig], None]]] = {
+    "marian": marian_generation,
+    "whisper-large-v3": whisper_v3_generation,
+    "bart-large-cnn": bart_cnn_generation,
 }
 
 MODEL_NAMES: Final[tuple[str, ...]] = tuple(_ZOO)
@@ -155,6 +263,8 @@ def build(
     config = make_config()
     torch.manual_seed(seed)
     model = model_class(config).to(device=device, dtype=dtype).eval()
+    if name in _GENERATION:
+        _GENERATION[name](model.generation_config)
     if isinstance(config, WhisperConfig):
         return ZooModel(model, _whisper_inputs(model, config))
     return ZooModel(model, _token_inputs(model, int(config.vocab_size)))

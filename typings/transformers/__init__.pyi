@@ -18,6 +18,8 @@ from transformers.models import (
     BartForConditionalGeneration as BartForConditionalGeneration,
     LlamaConfig as LlamaConfig,
     LlamaForCausalLM as LlamaForCausalLM,
+    MarianConfig as MarianConfig,
+    MarianMTModel as MarianMTModel,
     T5Config as T5Config,
     T5ForConditionalGeneration as T5ForConditionalGeneration,
     WhisperConfig as WhisperConfig,

@@ -1,5 +1,15 @@
 # transformers.generation.configuration_utils, as checked against 5.17.0, 5.23.0 and 5.24.0.
+from enum import Enum
 from typing import Any
+
+import torch
+
+class GenerationMode(str, Enum):
+    GREEDY_SEARCH = "greedy_search"
+    SAMPLE = "sample"
+    BEAM_SEARCH = "beam_search"
+    BEAM_SAMPLE = "beam_sample"
+    ASSISTED_GENERATION = "assisted_generation"
 
 class CompileConfig:
     fullgraph: bool
@@ -29,4 +39,28 @@ class GenerationConfig:
     decoder_start_token_id: int | list[int] | None
     forced_eos_token_id: int | list[int] | None
     no_repeat_ngram_size: int | None
+    do_sample: bool
+    min_length: int | None
+    min_new_tokens: int | None
+    max_new_tokens: int | None
+    forced_bos_token_id: int | None
+    bad_words_ids: list[list[int]] | None
+    suppress_tokens: list[int] | None
+    begin_suppress_tokens: list[int] | None
+    repetition_penalty: float | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    # Whisper's fields, set on the plain GenerationConfig of Whisper checkpoints.
+    lang_to_id: dict[str, int]
+    task_to_id: dict[str, int]
+    is_multilingual: bool
+    no_timestamps_token_id: int
+    return_timestamps: bool
+    early_stopping: bool | str
+    length_penalty: float
+    # Set by GenerationMixin._prepare_special_tokens (cachelife.generate reads them inside generate).
+    _eos_token_tensor: torch.Tensor | None
+    _pad_token_tensor: torch.Tensor | None
+    def get_generation_mode(self, assistant_model: Any = None) -> GenerationMode: ...
     def __init__(self, **kwargs: Any) -> None: ...

@@ -20,3 +20,19 @@ class GenerationMixin:
         batch_size: int,
         max_cache_length: int,
     ) -> None: ...
+    # cachelife.generate: the merge generate runs first, its prefill and its two decoding methods.
+    def _prepare_generation_config(
+        self, generation_config: GenerationConfig | None, **kwargs: Any
+    ) -> tuple[GenerationConfig, dict[str, Any]]: ...
+    def _prefill(
+        self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any]
+    ) -> ModelOutput: ...
+    def _sample(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor | ModelOutput: ...
+    def _beam_search(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor | ModelOutput: ...
+    def _prepare_special_tokens(
+        self,
+        generation_config: GenerationConfig,
+        kwargs_has_attention_mask: bool | None = None,
+        device: torch.device | str | None = None,
+        batch_size: int | None = None,
+    ) -> None: ...

@@ -14,6 +14,11 @@ class BartConfig(PreTrainedConfig):
 
 class BartForConditionalGeneration(PreTrainedModel): ...
 
+class MarianConfig(PreTrainedConfig):
+    def __init__(self, **kwargs: Any) -> None: ...
+
+class MarianMTModel(PreTrainedModel): ...
+
 class WhisperConfig(PreTrainedConfig):
     max_source_positions: int
     num_mel_bins: int

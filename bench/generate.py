@@ -1,0 +1,193 @@
+"""`cachelife.generate` against transformers' paths on real checkpoints' shapes and generation configs.
+
+    python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base]
+                             [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0]
+                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife] [--repeats 3]
+                             [--tiny] [--out DIR]
+
+For each model and batch size, in one process, on the same inputs and the model's own generation config
+(Whisper: language "en", task "transcribe"; bart-large-cnn: 4 beams, no-repeat 3, length penalty 2.0,
+forced BOS/EOS; `--beams N` overrides num_beams, 0 keeps the config's), every path decodes exactly N new
+tokens (`min_new_tokens = max_new_tokens = N`):
+- `eager`: `generate`, dynamic cache;
+- `auto`: transformers' auto-compile (`compile_config`, static cache);
+- `forward`: `generate` with a compiled forward (`reduce-overhead` on CUDA) and `cachelife.enable`;
+- `cachelife`: `cachelife.generate`, once per `--steps-per-call` value.
+Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
+`--repeats`), first-call seconds (compilation included), GPU kernel ms per step (torch.profiler, CUDA only,
+measured the same marginal way), whether the tokens equal the reference (float32: eager `generate`; other
+dtypes: `generate` with the compiled forward, as compiled rounding differs from eager), and CUDA-graph skips,
+unexpected re-records and new dynamo graphs after the first calls (one per length: every max_length is
+its own compiled shape). `--tiny` swaps in the zoo's tiny models
+with the same generation configs (a CPU smoke run). Writes `<out>/generate-<device>-<date>-tf<version>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import CompileConfig
+
+import cachelife
+from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.timing import timed
+from cachelife import zoo
+from cachelife.recipe import CudaGraphHealth, pick_device
+
+TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
+Run = Callable[[int], torch.Tensor]
+
+
+def build(name: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> zoo.ZooModel:
+    built = zoo.build(TINY[name] if tiny else name, device=device, dtype=dtype)
+    config = built.model.generation_config
+    if tiny and name == "whisper-large-v3":
+        zoo.whisper_tiny_generation(config)
+    if tiny and name == "bart-large-cnn":
+        zoo.bart_cnn_generation(config)
+    return built
+
+
+def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
+    settings: dict[str, Any] = {"max_new_tokens": tokens, "min_new_tokens": tokens}
+    if name == "whisper-large-v3":
+        settings.update(language="en", task="transcribe")
+    if beams:
+        settings["num_beams"] = beams
+    return settings
+
+
+def as_tokens(output: object) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        msg = f"expected a token tensor, got {type(output).__name__}"
+        raise TypeError(msg)
+    return output
+
+
+def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: int) -> float:
+    first = min(timed(device, lambda: run(short))[0] for _ in range(repeats))
+    second = min(timed(device, lambda: run(long))[0] for _ in range(repeats))
+    return 1000 * (second - first) / (long - short)
+
+
+def kernel_ms(device: torch.device, run: Run, short: int, long: int) -> float | None:
+    if device.type != "cuda":
+        return None
+    totals = {}
+    for tokens in (short, long):
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            run(tokens)
+            torch.cuda.synchronize(device)
+        events = [e for e in trace.key_averages() if e.device_type.name == "CUDA"]
+        totals[tokens] = sum(e.self_device_time_total for e in events) / 1000
+    return float(totals[long] - totals[short]) / (long - short)
+
+
+def paths(
+    name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch: int
+) -> dict[str, tuple[Run, str]]:
+    """Each path's run(tokens) on its own model instance (same seed, same weights), by path name."""
+    inputs = build(name, args.tiny, device, dtype).inputs(batch, args.input_length, 1)
+    wanted = args.paths.split(",")
+    runs: dict[str, tuple[Run, str]] = {}
+    if "eager" in wanted:
+        eager = build(name, args.tiny, device, dtype).model
+        runs["eager"] = (lambda n: as_tokens(eager.generate(**inputs, **settings_for(name, args.beams, n))), "eager")
+    if "auto" in wanted:
+        auto = build(name, args.tiny, device, dtype).model
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+        config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
+        extra: dict[str, Any] = {"cache_implementation": "static", "compile_config": config}
+        runs["auto"] = (
+            lambda n: as_tokens(auto.generate(**inputs, **settings_for(name, args.beams, n), **extra)),
+            "auto",
+        )
+    if "forward" in wanted:
+        forward = cachelife.enable(build(name, args.tiny, device, dtype).model)
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        forward.forward = torch.compile(forward.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+        static: dict[str, Any] = {"cache_implementation": "static"}
+        runs["forward"] = (
+            lambda n: as_tokens(forward.generate(**inputs, **settings_for(name, args.beams, n), **static)),
+            "forward",
+        )
+    if "cachelife" in wanted:
+        ours = cachelife.enable(build(name, args.tiny, device, dtype).model)
+        for steps in (int(value) for value in args.steps_per_call.split(",")):
+
+            def run(n: int, steps: int = steps) -> torch.Tensor:
+                out = cachelife.generate(
+                    ours, fallback=False, steps_per_call=steps, **inputs, **settings_for(name, args.beams, n)
+                )
+                return as_tokens(out)
+
+            runs[f"cachelife_spc{steps}"] = (run, "cachelife")
+    return runs
+
+
+def measure(name: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    torch._dynamo.reset()
+    dtype = getattr(torch, args.dtype)
+    short, long = (int(value) for value in args.tokens.split(","))
+    results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for path, (run, _) in paths(name, args, device, dtype, batch).items():
+        start = CudaGraphHealth.now()
+        first_s, outputs[path] = timed(device, lambda run=run: run(long))  # type: ignore[misc]
+        run(short)  # a different max_length is a different compiled shape: compile it before timing
+        after_first = CudaGraphHealth.now()
+        ms = marginal_ms(device, run, short, long, args.repeats)
+        kernel = kernel_ms(device, run, short, long)
+        end = CudaGraphHealth.now()
+        results[path] = {
+            "first_call_s": round(first_s, 3),
+            "ms_per_step": round(ms, 4),
+            "kernel_ms_per_step": None if kernel is None else round(kernel, 4),
+            "wall_over_kernel": None if not kernel else round(ms / kernel, 3),
+            "cudagraph_skips": end.cudagraph_skips - start.cudagraph_skips,
+            "rerecords_after_first_calls": end.rerecords - after_first.rerecords,
+            "new_graphs_after_first_calls": end.graphs - after_first.graphs,
+        }
+        print(json.dumps({"model": name, "batch": batch, "path": path, **results[path]}), flush=True)
+    reference_path = "eager" if dtype == torch.float32 else "forward"
+    reference = outputs.get(reference_path)
+    for path, tokens in outputs.items():
+        same = reference is not None and tokens.shape == reference.shape and torch.equal(tokens, reference)
+        results[path]["tokens_equal_reference"] = same if reference is not None else None
+    return {"model": name, "batch": batch, "reference": reference_path, "paths": results}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--models", default="whisper-large-v3,bart-large-cnn,t5-base")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", default="16,80", help="N1,N2 new tokens for the marginal step time")
+    parser.add_argument("--beams", type=int, default=0, help="num_beams for every model; 0 keeps each config's")
+    parser.add_argument("--steps-per-call", default="1,4", help="cachelife.generate's steps_per_call values")
+    parser.add_argument("--paths", default="eager,auto,forward,cachelife")
+    parser.add_argument("--input-length", type=int, default=64, help="prompt length of the text models")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="the zoo's tiny models with the same configs")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args()
+    device = pick_device(args.device)
+    record: dict[str, Any] = {**header("generate", device), "settings": vars(args), "results": []}
+    path = results_path(args.out, "generate", device)
+    for name in args.models.split(","):
+        for batch in (int(value) for value in args.batches.split(",")):
+            record["results"].append(measure(name, batch, args, device))
+            path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

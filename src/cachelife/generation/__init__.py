@@ -1,0 +1,58 @@
+"""`cachelife.generate`: `model.generate`'s tokens from a compiled, graph-captured decoding loop.
+
+`generate(model, **kwargs)` takes what `model.generate` takes and returns what it returns (the token
+tensor). transformers' `generate` prepares the call as always; cachelife replaces only the decoding loop
+(`cachelife.generation.loop`): logits processors (`processors`), greedy search and sampling (`greedy`) and
+beam search (`beams`) run inside one compiled step on pinned caches. What it does not implement
+(`arguments`) falls back to `model.generate` with one WARNING naming the feature, or raises
+`UnsupportedGenerationError` with `fallback=False`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
+from cachelife.generation.loop import LoopSettings, decoding_method, fall_back
+
+
+def generate(
+    model: PreTrainedModel,
+    *,
+    fallback: bool = True,
+    steps_per_call: int = 1,
+    stop_check_every: int = 8,
+    compile_step: bool = True,
+    generator: torch.Generator | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | ModelOutput:
+    """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
+    whatever `model.generate(**kwargs)` returns).
+
+    `steps_per_call` decoding steps run per call of the compiled function; the host checks for the end every
+    `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` seeds
+    sampling (exponential race; tokens are reproducible, not equal to `generate`'s multinomial draws).
+    """
+    if min(steps_per_call, stop_check_every) < 1:
+        msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
+        raise ValueError(msg)
+    feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
+    if feature is not None:
+        fall_back(feature, fallback)
+        return model.generate(**kwargs)
+    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator)
+    return _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings)))
+
+
+def _tokens(output: object) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        msg = f"generate returned a {type(output).__name__}, expected the token tensor"
+        raise TypeError(msg)
+    return output
+
+
+__all__ = ["generate"]

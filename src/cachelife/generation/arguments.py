@@ -1,0 +1,119 @@
+"""What `cachelife.generate` accepts: the arguments and merged generation configs it decodes itself.
+
+The merge of per-call arguments with the model's generation config is transformers' own
+(`GenerationMixin._prepare_generation_config`, the function `generate` calls), run on the same arguments
+before anything else, so that the features checked here are the ones `generate` would use. Each check
+returns the name of the first feature `cachelife.generate` does not implement, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+
+# Arguments of `generate` whose presence (with a value that is not None, empty or False) asks for a
+# feature that cachelife.generate leaves to transformers.
+FALLBACK_ARGUMENTS: tuple[str, ...] = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "assistant_tokenizer",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "synced_gpus",
+    "tokenizer",
+    "constraints",
+    "force_words_ids",
+    "cache",
+    "past_key_values",
+    "inputs_embeds",
+    "decoder_inputs_embeds",
+    "decoder_attention_mask",
+    # Whisper
+    "return_timestamps",
+    "return_token_timestamps",
+    "return_segments",
+    "prompt_ids",
+    "prompt_condition_type",
+    "condition_on_prev_tokens",
+    "num_segment_frames",
+)
+
+# Generation-config fields that ask for outputs or stopping rules this loop does not produce.
+FALLBACK_CONFIG_FIELDS: tuple[str, ...] = (
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+    "max_time",
+    "stop_strings",
+    "prefill_chunk_size",
+    "guidance_scale",
+    "watermarking_config",
+    "token_healing",
+)
+_NEUTRAL_CONFIG: Mapping[str, tuple[object, ...]] = {
+    "return_dict_in_generate": (None, False),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "max_time": (None,),
+    "stop_strings": (None,),
+    "prefill_chunk_size": (None,),
+    "guidance_scale": (None, 1, 1.0),
+    "watermarking_config": (None,),
+    "token_healing": (None, False),
+}
+
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH)
+
+
+def unsupported_argument(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> str | None:
+    """The first argument (or input property) of this call that asks for an unimplemented feature."""
+    for name in FALLBACK_ARGUMENTS:
+        value = kwargs.get(name)
+        if value is not None and value is not False and not (isinstance(value, list | tuple) and not value):
+            return name
+    if kwargs.get("inputs") is not None:
+        return "inputs (positional input tensor; pass it by name: input_ids=, input_features=)"
+    if model.config.model_type == "whisper":
+        features = kwargs.get("input_features")
+        limit = 2 * int(model.config.max_source_positions)
+        if isinstance(features, torch.Tensor) and features.shape[-1] > limit:
+            return f"Whisper long-form audio (more than {limit} input frames)"
+        if isinstance(kwargs.get("temperature"), list | tuple):
+            return "Whisper temperature fallback (a sequence of temperatures)"
+    mask = kwargs.get("attention_mask")
+    if not model.config.is_encoder_decoder and isinstance(mask, torch.Tensor) and bool((mask == 0).any()):
+        return "padded prompts for a decoder-only model (attention_mask with zeros)"
+    return None
+
+
+def merged_config(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> GenerationConfig:
+    """The generation config `generate` would decode with: transformers' own merge of `kwargs`."""
+    arguments = dict(kwargs)
+    base = arguments.pop("generation_config", None)
+    for name in ("language", "task"):  # Whisper's, consumed before GenerationMixin.generate
+        arguments.pop(name, None)
+    config, _ = model._prepare_generation_config(base, **arguments)
+    return config
+
+
+def unsupported_config(config: GenerationConfig, assistant: object = None) -> str | None:
+    """The first setting of a merged generation config that asks for an unimplemented feature."""
+    mode = config.get_generation_mode(assistant)
+    if mode not in SUPPORTED_MODES:
+        return f"generation mode {mode.value!r}"
+    for name in FALLBACK_CONFIG_FIELDS:
+        if getattr(config, name, None) not in _NEUTRAL_CONFIG[name]:
+            return name
+    return None

@@ -1,0 +1,78 @@
+"""Greedy search and sampling as one in-place update of static buffers (the body of the compiled step).
+
+The state is a fixed-size token buffer `(rows, width)` and a 0-dim length tensor, never a growing
+`input_ids` or a Python int, so one compiled graph serves every position. Once every row has ended, or the
+length reached `max_length`, the update changes nothing: steps run after the end (the host checks only every
+few steps) are no-ops, and the buffer holds exactly what transformers' `_sample` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+from attrs import frozen
+
+from cachelife.generation.processors import TensorProcessor
+
+
+@frozen
+class Choice:
+    """How one step picks its token; the same for every step of one call."""
+
+    processors: tuple[TensorProcessor, ...]
+    do_sample: bool
+    eos: torch.Tensor | None  # (n,) end-of-sequence ids, or None: no end, no padding
+    pad: int
+    max_length: torch.Tensor  # 0-dim long: not a compile-time constant, so every length shares one graph
+
+
+@frozen
+class GreedyState:
+    """Static buffers, mutated in place: tokens so far, their count, which rows are still open."""
+
+    tokens: torch.Tensor  # (rows, width) long
+    length: torch.Tensor  # () long
+    unfinished: torch.Tensor  # (rows,) bool
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, device: torch.device) -> GreedyState:
+        state = cls(
+            torch.zeros(rows, width, dtype=torch.long, device=device),
+            torch.zeros((), dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.bool, device=device),
+        )
+        for tensor in (state.tokens, state.length, state.unfinished):
+            torch._dynamo.mark_static_address(tensor)
+        return state
+
+    def start(self, prompt: torch.Tensor, pad: int) -> None:
+        """Fill with a prompt (rows, prompt length): every row open, the rest of the buffer `pad`."""
+        self.tokens.fill_(pad)
+        self.tokens[:, : prompt.shape[1]].copy_(prompt)
+        self.length.fill_(prompt.shape[1])
+        self.unfinished.fill_(True)
+
+    def running(self, choice: Choice) -> torch.Tensor:
+        return (self.length < choice.max_length) & self.unfinished.any()
+
+    def last_tokens(self) -> torch.Tensor:
+        """The token at `length - 1` of every row, shape (rows, 1): the next step's input."""
+        index = (self.length - 1).view(1, 1).expand(self.tokens.shape[0], 1)
+        return self.tokens.gather(1, index)
+
+
+def choose_and_append(state: GreedyState, logits: torch.Tensor, noise: torch.Tensor, choice: Choice) -> None:
+    """Process `logits` (rows, vocab; float32), pick one token per row (argmax, or an exponential race for
+    sampling) and append it, padded for rows that had ended; as `_sample` does, step for step."""
+    running = state.running(choice)
+    scores = logits
+    for processor in choice.processors:
+        scores = processor(state.tokens, state.length, scores)
+    token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1) if choice.do_sample else scores.argmax(dim=-1)
+    unfinished = state.unfinished
+    if choice.eos is not None:
+        token = torch.where(unfinished, token, choice.pad)
+        unfinished = unfinished & ~torch.isin(token, choice.eos)
+    column = torch.arange(state.tokens.shape[1], device=token.device) == state.length
+    state.tokens.copy_(torch.where(column[None, :] & running, token[:, None], state.tokens))
+    state.unfinished.copy_(torch.where(running, unfinished, state.unfinished))
+    state.length.add_(running.long())

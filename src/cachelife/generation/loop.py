@@ -1,0 +1,335 @@
+"""The decoding loop behind `cachelife.generate`, in the gpt-fast style.
+
+transformers' `generate` prepares everything (generation config, special tokens, encoder outputs, the
+decoder prompt, beam expansion, lengths, the processor list) and calls this module's decoding method in
+place of `_sample` / `_beam_search`. It builds pinned static caches and static state buffers before anything
+compiled runs, prefills eagerly (transformers' `_prefill`), picks the first token eagerly, then runs
+`steps_per_call` decoding steps per call of one compiled function (forward, processors, token choice or beam
+bookkeeping, cache reorder): the host reads the device only every `stop_check_every` steps, to see whether
+decoding has ended, and once at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from attrs import frozen
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+import cachelife
+from cachelife.call_arguments import cache_argument_name
+from cachelife.compile_cache import pinned_compile_cache
+from cachelife.errors import UnsupportedGenerationError
+from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
+from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
+from cachelife.generation.processors import tensor_processors, unsupported_processor
+
+logger = logging.getLogger(__name__)
+
+StepFunction = Callable[..., None]
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, StepFunction]] = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[object, ...], object]] = weakref.WeakKeyDictionary()
+
+
+@frozen
+class LoopSettings:
+    """cachelife's own settings of one `generate` call."""
+
+    steps_per_call: int
+    stop_check_every: int
+    compile_step: bool
+    fallback: bool
+    generator: torch.Generator | None
+
+
+def fall_back(feature: str, fallback: bool) -> None:
+    """Log the one WARNING of a fallback, or raise `UnsupportedGenerationError` with `fallback=False`."""
+    if not fallback:
+        msg = f"cachelife.generate does not implement {feature}; call model.generate, or pass fallback=True"
+        raise UnsupportedGenerationError(msg)
+    logger.warning("cachelife.generate falls back to model.generate: it does not implement %s", feature)
+
+
+def unsupported_criterion(criteria: StoppingCriteriaList) -> str | None:
+    for criterion in criteria:
+        if type(criterion) not in (MaxLengthCriteria, EosTokenCriteria):
+            return type(criterion).__name__
+    return None
+
+
+def decoding_method(settings: LoopSettings) -> Callable[..., torch.Tensor]:
+    """A decoding method for `generate(custom_generate=...)`: the compiled loop, or transformers' own
+    (after the fallback warning) for processors or stopping criteria it cannot run."""
+
+    def decode(
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        *,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
+        feature = unsupported_processor(logits_processor) or unsupported_criterion(stopping_criteria)
+        if feature is not None:
+            fall_back(feature, settings.fallback)
+            mode = generation_config.get_generation_mode()
+            method = model._beam_search if mode == GenerationMode.BEAM_SEARCH else model._sample
+            result = method(
+                input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                generation_config=generation_config, synced_gpus=synced_gpus, **model_kwargs,
+            )  # fmt: skip
+            if not isinstance(result, torch.Tensor):
+                msg = f"transformers' decoding method returned a {type(result).__name__}, expected tokens"
+                raise UnsupportedGenerationError(msg)
+            return result
+        with pinned_compile_cache():
+            search = _beam_search if generation_config.num_beams > 1 else _greedy
+            return search(
+                model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
+                model_kwargs=model_kwargs,
+            )  # fmt: skip
+
+    return decode
+
+
+# -- shared pieces -----------------------------------------------------------------------------------------
+
+
+def _prefill(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    cache_length: int,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Pinned caches for `cache_length` positions, transformers' eager prefill on them, the inputs every
+    step passes again (cache, encoder output and mask), and the first logits (float32)."""
+    name = cache_argument_name(model)
+    rows = int(input_ids.shape[0])
+    pool = cachelife.pool_of(model)
+    step_inputs: dict[str, Any] = {}
+    if model.config.is_encoder_decoder:
+        encoder_outputs = model_kwargs["encoder_outputs"]
+        hidden: torch.Tensor = encoder_outputs[0]
+        cache = cachelife.prepare_static_cache(
+            model, batch_size=rows, max_cache_len=cache_length, encoder_length=int(hidden.shape[1]), pool=pool
+        )
+        step_inputs["encoder_outputs"] = encoder_outputs
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None:
+            step_inputs["attention_mask"] = mask
+        for tensor in (hidden, mask):
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.mark_static_address(tensor)  # the same tensors every step: no copy into the graph
+    else:
+        cache = cachelife.prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
+    for stale in ("cache", "past_key_values"):
+        model_kwargs.pop(stale, None)
+    model_kwargs[name] = cache
+    step_inputs[name] = cache
+    outputs = model._prefill(input_ids, config, model_kwargs)
+    logits: torch.Tensor = outputs["logits"]
+    return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
+def _input_name(model: PreTrainedModel) -> str:
+    return "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
+
+
+def _pooled_state(model: PreTrainedModel, key: tuple[object, ...], make: Callable[[], object]) -> object:
+    """The state buffers of an earlier call with the same key (same addresses), or new ones."""
+    states = _STATES.setdefault(model, {})
+    if key not in states:
+        states[key] = make()
+    return states[key]
+
+
+def _compiled(model: PreTrainedModel, name: str, function: StepFunction) -> StepFunction:
+    functions = _COMPILED.setdefault(model, {})
+    if name not in functions:
+        mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+        functions[name] = torch.compile(function, mode=mode, fullgraph=True)
+    return functions[name]
+
+
+def _run(step: Callable[[], None], is_running: Callable[[], torch.Tensor], steps: int, settings: LoopSettings) -> None:
+    """Call `step` (settings.steps_per_call steps each) until `steps` steps ran or decoding ended."""
+    produced, checked_at = 0, 0
+    while produced < steps:
+        if produced - checked_at >= settings.stop_check_every:
+            checked_at = produced
+            if not bool(is_running()):
+                return
+        step()
+        produced += settings.steps_per_call
+
+
+def _eos(config: GenerationConfig) -> torch.Tensor | None:
+    eos: torch.Tensor | None = config._eos_token_tensor
+    return None if eos is None else eos.view(-1).to(torch.long)
+
+
+# -- greedy search and sampling ----------------------------------------------------------------------------
+
+
+class _Noise:
+    """Exponential noise for one call's steps from the caller's generator, in one static buffer (ones,
+    unused, for greedy search)."""
+
+    def __init__(self, buffer: torch.Tensor, generator: torch.Generator | None) -> None:
+        self.buffer = buffer
+        self.generator = generator
+        if generator is None:
+            buffer.fill_(1.0)
+
+    def next(self) -> torch.Tensor:
+        if self.generator is not None:
+            self.buffer.exponential_(generator=self.generator)
+        return self.buffer
+
+
+def greedy_steps(
+    model: PreTrainedModel,
+    state: GreedyState,
+    *,
+    noise: torch.Tensor,
+    choice: Choice,
+    step_inputs: dict[str, Any],
+    steps: int,
+    input_name: str,
+) -> None:
+    """`steps` greedy or sampling steps (the function that gets compiled)."""
+    for index in range(steps):
+        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
+        choose_and_append(state, output.logits[:, -1].to(torch.float32), noise[index], choice)
+
+
+def _greedy(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    processors: LogitsProcessorList,
+    config: GenerationConfig,
+    settings: LoopSettings,
+    model_kwargs: dict[str, Any],
+) -> torch.Tensor:
+    rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
+    max_length = int(config.max_length)
+    spc = settings.steps_per_call
+    width = buffer_width(max_length)
+    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, width + spc)
+    vocab, device = int(first_logits.shape[-1]), first_logits.device
+    eos = _eos(config)
+    pad_tensor = config._pad_token_tensor
+    choice = Choice(
+        tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
+        0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
+    )  # fmt: skip
+    generator = settings.generator if config.do_sample else None
+    if config.do_sample and generator is None:
+        generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
+
+    def make() -> tuple[GreedyState, torch.Tensor]:
+        noise = torch.ones(spc, rows, vocab, device=device)
+        torch._dynamo.mark_static_address(noise)
+        return GreedyState.allocate(rows, width, device), noise
+
+    key = ("greedy", rows, width, vocab, spc)
+    pooled = _pooled_state(model, key, make)
+    if not isinstance(pooled, tuple) or not isinstance(pooled[0], GreedyState):
+        msg = f"pooled greedy state for {key!r} is a {type(pooled).__name__}, expected (GreedyState, noise)"
+        raise UnsupportedGenerationError(msg)
+    state, noise_buffer = pooled[0], pooled[1]
+    noise = _Noise(noise_buffer, generator)
+    state.start(input_ids, choice.pad)
+    choose_and_append(state, first_logits, noise.next()[0], choice)
+    step = _compiled(model, "greedy", greedy_steps) if settings.compile_step else greedy_steps
+    name = _input_name(model)
+    _run(
+        lambda: step(
+            model, state, noise=noise.next(), choice=choice, step_inputs=step_inputs, steps=spc, input_name=name
+        ),
+        lambda: state.running(choice),
+        max_length - prompt_length - 1,
+        settings,
+    )
+    tokens: torch.Tensor = state.tokens[:, : int(state.length)].clone()
+    return tokens
+
+
+# -- beam search -------------------------------------------------------------------------------------------
+
+
+def beam_steps(
+    model: PreTrainedModel,
+    state: BeamState,
+    *,
+    plan: BeamPlan,
+    step_inputs: dict[str, Any],
+    steps: int,
+    input_name: str,
+    self_attention: Sequence[object],
+) -> None:
+    """`steps` beam-search steps (the function that gets compiled)."""
+    for _ in range(steps):
+        reorder_cache(state, self_attention)
+        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
+        beam_step(state, output.logits[:, -1].to(torch.float32), plan)
+
+
+def _self_attention_layers(cache: object) -> tuple[object, ...]:
+    inner = getattr(cache, "self_attention_cache", cache)
+    return tuple(getattr(inner, "layers"))  # noqa: B009 (a Cache's layers, any cache class)
+
+
+def _beam_search(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    processors: LogitsProcessorList,
+    config: GenerationConfig,
+    settings: LoopSettings,
+    model_kwargs: dict[str, Any],
+) -> torch.Tensor:
+    beams = int(config.num_beams)
+    rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
+    max_length = int(config.max_length)
+    spc = settings.steps_per_call
+    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, buffer_width(max_length) + spc)
+    vocab, device = int(first_logits.shape[-1]), first_logits.device
+    eos = _eos(config)
+    plan = BeamPlan.make(
+        tensor_processors(processors, vocab_size=vocab, device=device), eos, batch=rows // beams, beams=beams,
+        prompt_length=prompt_length, max_length=max_length, early_stopping=config.early_stopping,
+        length_penalty=float(config.length_penalty), device=device,
+    )  # fmt: skip
+    pad, eos_ids = config._pad_token_tensor, config._eos_token_tensor
+    fill = int(pad or eos_ids[0] if eos_ids is not None else -1)  # `_beam_search`'s output_fill_value, as written
+    key = ("beams", plan.batch, beams, plan.width)
+    state = _pooled_state(model, key, lambda: BeamState.allocate(plan, device))
+    if not isinstance(state, BeamState):
+        msg = f"pooled beam state for {key!r} is a {type(state).__name__}, expected BeamState"
+        raise UnsupportedGenerationError(msg)
+    state.start(input_ids, plan, fill)
+    layers = _self_attention_layers(step_inputs[cache_argument_name(model)])
+    beam_step(state, first_logits, plan)
+    step = _compiled(model, "beams", beam_steps) if settings.compile_step else beam_steps
+    name = _input_name(model)
+    _run(
+        lambda: step(
+            model, state, plan=plan, step_inputs=step_inputs, steps=spc, input_name=name, self_attention=layers
+        ),
+        lambda: state.running,
+        max_length - prompt_length - 1,
+        settings,
+    )
+    return beam_output(state, plan, int(config.num_return_sequences))

@@ -1,0 +1,235 @@
+"""transformers' logits processors as tensor operations for a compiled decoding step.
+
+`generate` builds its processor list (`GenerationMixin._get_logits_processor`, Whisper's own additions
+merged in) and hands it to the decoding method; `tensor_processors` turns that list, in its order, into
+functions `(tokens, length, scores) -> scores` that read the current length from a 0-dim tensor and the
+tokens so far from a fixed-size buffer `(rows, width)`, so that one compiled step serves every position
+without a host sync or a recompilation. transformers' processors that look only at the scores are called as
+they are; the ones that read `input_ids.shape[-1]` (the length as a Python int) or the whole `input_ids`
+are rewritten here with the same arithmetic, their own positions (begin index, prompt length, max_length - 1)
+held as 0-dim tensors too, so that calls of other lengths share the compiled step:
+
+| transformers processor                | here                                      |
+|---------------------------------------|-------------------------------------------|
+| SuppressTokensLogitsProcessor         | called                                    |
+| TemperatureLogitsWarper               | called                                    |
+| TopKLogitsWarper, TopPLogitsWarper    | called                                    |
+| InfNanRemoveLogitsProcessor           | called                                    |
+| LogitNormalization                    | called                                    |
+| SuppressTokensAtBeginLogitsProcessor  | rewritten (`length == begin_index`)       |
+| MinLengthLogitsProcessor              | rewritten (`length < min_length`)         |
+| MinNewTokensLengthLogitsProcessor     | rewritten (`length - prompt < min_new`)   |
+| ForcedBOSTokenLogitsProcessor         | rewritten (`length == 1`)                 |
+| ForcedEOSTokenLogitsProcessor         | rewritten (`length == max_length - 1`)    |
+| RepetitionPenaltyLogitsProcessor      | rewritten (tokens past `length` masked)   |
+| NoRepeatNGramLogitsProcessor          | rewritten (n-grams ending past `length` masked) |
+| NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor | rewritten (prefixes read at `length`) |
+
+Any other processor (custom lists, `prefix_allowed_tokens_fn`, Whisper timestamps, ...) is named by
+`unsupported_processor` so that the caller can fall back to transformers' own loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from attrs import frozen
+from transformers.generation import logits_process as lp
+
+# (tokens (rows, width), length (0-dim long), scores (rows, vocab)) -> scores
+TensorProcessor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Processors that read only the scores: called as transformers wrote them.
+_CALLED: tuple[type[lp.LogitsProcessor], ...] = (
+    lp.SuppressTokensLogitsProcessor,
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.InfNanRemoveLogitsProcessor,
+    lp.LogitNormalization,
+)
+
+
+@frozen
+class _Called:
+    """A transformers processor that never reads `input_ids`."""
+
+    processor: lp.LogitsProcessor
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = self.processor(tokens, scores)
+        return result
+
+
+def _vocab_mask(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    return torch.isin(torch.arange(scores.shape[-1], device=scores.device), ids)
+
+
+@frozen
+class _SuppressAtBegin:
+    """SuppressTokensAtBeginLogitsProcessor: -inf on `ids` at the step where the length is `begin_index`."""
+
+    ids: torch.Tensor
+    begin_index: torch.Tensor  # 0-dim: a prompt length, not a compile-time constant
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        suppressed = torch.where(_vocab_mask(self.ids, scores), -float("inf"), scores)
+        return torch.where(length == self.begin_index, suppressed, scores)
+
+
+@frozen
+class _NoEosBefore:
+    """MinLength / MinNewTokensLength: -inf on the end tokens while `length - skip < minimum`."""
+
+    eos: torch.Tensor
+    minimum: int
+    skip: torch.Tensor  # 0-dim: the prompt length for min_new_tokens, 0 for min_length
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        blocked = torch.where(_vocab_mask(self.eos, scores), -math.inf, scores)
+        return torch.where(length - self.skip < self.minimum, blocked, scores)
+
+
+@frozen
+class _ForceAt:
+    """ForcedBOS / ForcedEOS: at the step where the length is `at`, every score is -inf but `ids`' (0)."""
+
+    ids: torch.Tensor
+    at: torch.Tensor  # 0-dim: 1, or max_length - 1 (not a compile-time constant)
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(scores, -math.inf).index_fill(1, self.ids, 0.0)
+        return torch.where(length == self.at, forced, scores)
+
+
+@frozen
+class _RepetitionPenalty:
+    """RepetitionPenaltyLogitsProcessor on the tokens before `length` (and after `ignore`, per row)."""
+
+    penalty: float
+    ignore: torch.Tensor | None
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        vocab = scores.shape[-1]
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        outside = positions[None, :] >= length
+        if self.ignore is not None:
+            outside = outside | (positions[None, :] < self.ignore[:, None])
+        ids = tokens.masked_fill(outside, vocab).clamp(max=vocab)
+        padded = torch.nn.functional.pad(scores, (0, 1))
+        score = torch.gather(padded, 1, ids)
+        score = torch.where(score < 0, score * self.penalty, score / self.penalty)
+        return padded.scatter(1, ids, score)[..., :vocab]
+
+
+@frozen
+class _NoRepeatNGram:
+    """NoRepeatNGramLogitsProcessor over the first `length` tokens of each row."""
+
+    size: int
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        n, width, vocab = self.size, tokens.shape[1], scores.shape[-1]
+        offsets = torch.arange(n - 1, device=tokens.device)
+        prefix_at = (length - (n - 1) + offsets).clamp(0, width - 1)
+        prefix = tokens.index_select(1, prefix_at)  # the last n - 1 tokens
+        windows = tokens.unfold(1, n, 1)  # (rows, width - n + 1, n)
+        starts = torch.arange(windows.shape[1], device=tokens.device)
+        complete = starts + n <= length  # windows wholly inside the sequence
+        matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & complete[None, :]
+        banned = scores.new_zeros((scores.shape[0], vocab + 1), dtype=torch.bool)
+        banned = banned.scatter(1, torch.where(matches, windows[..., -1].clamp(max=vocab), vocab), True)
+        masked = scores.masked_fill(banned[:, :vocab], -float("inf"))
+        return torch.where(length >= n, masked, scores)
+
+
+@frozen
+class _SequenceBias:
+    """SequenceBiasLogitsProcessor (and NoBadWords, its -inf case), prefixes matched before `length`."""
+
+    single: torch.Tensor  # (vocab,)
+    groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (prefixes, last tokens, biases)
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros_like(scores)
+        bias += self.single
+        width = tokens.shape[1]
+        for prefixes, last, biases in self.groups:
+            k = prefixes.shape[1]
+            at = (length - k + torch.arange(k, device=tokens.device)).clamp(0, width - 1)
+            tail = tokens.index_select(1, at)
+            matching = (tail[:, None, :] == prefixes).all(dim=-1) & (length >= k)
+            bias = bias.index_add(1, last, torch.where(matching, biases, 0.0).to(bias.dtype))
+        return scores + bias
+
+
+def unsupported_processor(processors: Sequence[lp.LogitsProcessor]) -> str | None:
+    """The class name of the first processor that `tensor_processors` cannot run, or None."""
+    known = (*_CALLED, *_REWRITTEN)
+    for processor in processors:
+        if type(processor) not in known:
+            return type(processor).__name__
+    return None
+
+
+def tensor_processors(
+    processors: Sequence[lp.LogitsProcessor], *, vocab_size: int, device: torch.device
+) -> tuple[TensorProcessor, ...]:
+    """`processors`, in order, as tensor functions of (tokens, length, scores); see the module docstring."""
+    return tuple(_convert(processor, vocab_size, device) for processor in processors)
+
+
+def _scalar(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.long, device=device)
+
+
+def _eos(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return ids.to(device=device, dtype=torch.long).view(-1)
+
+
+def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.device) -> TensorProcessor:  # noqa: PLR0911 (one case per processor class)
+    match processor:
+        case lp.SuppressTokensAtBeginLogitsProcessor():
+            begin = _scalar(int(processor.begin_index), device)
+            return _SuppressAtBegin(_eos(processor.begin_suppress_tokens, device), begin)
+        case lp.MinLengthLogitsProcessor():
+            return _NoEosBefore(_eos(processor.eos_token_id, device), processor.min_length, _scalar(0, device))
+        case lp.MinNewTokensLengthLogitsProcessor():
+            eos, skip = _eos(processor.eos_token_id, device), _scalar(processor.prompt_length_to_skip, device)
+            return _NoEosBefore(eos, processor.min_new_tokens, skip)
+        case lp.ForcedBOSTokenLogitsProcessor():
+            return _ForceAt(torch.tensor([processor.bos_token_id], device=device), _scalar(1, device))
+        case lp.ForcedEOSTokenLogitsProcessor():
+            return _ForceAt(_eos(processor.eos_token_id, device), _scalar(processor.max_length - 1, device))
+        case lp.RepetitionPenaltyLogitsProcessor():
+            ignore = processor.prompt_ignore_length
+            if isinstance(ignore, int):
+                ignore = torch.tensor([ignore], device=device)
+            return _RepetitionPenalty(processor.penalty, None if ignore is None else ignore.to(device))
+        case lp.NoRepeatNGramLogitsProcessor():
+            return _NoRepeatNGram(processor.ngram_size)
+        case lp.SequenceBiasLogitsProcessor():  # NoBadWordsLogitsProcessor included
+            if not processor.prepared_bias_variables:
+                processor._prepare_bias_variables(torch.empty(1, vocab_size, device=device))
+            prepared = vars(processor)  # set by _prepare_bias_variables; typed None in transformers' __init__
+            multi: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = prepared["multi_token_biases"]
+            single: torch.Tensor = prepared["length_1_bias"]
+            groups = tuple((p.to(device), t.to(device), b.to(device)) for p, t, b in multi)
+            return _SequenceBias(single.to(device), groups)
+        case _:
+            return _Called(processor)
+
+
+_REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
+    lp.SuppressTokensAtBeginLogitsProcessor,
+    lp.MinLengthLogitsProcessor,
+    lp.MinNewTokensLengthLogitsProcessor,
+    lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor,
+    lp.RepetitionPenaltyLogitsProcessor,
+    lp.NoRepeatNGramLogitsProcessor,
+    lp.SequenceBiasLogitsProcessor,
+    lp.NoBadWordsLogitsProcessor,
+)
