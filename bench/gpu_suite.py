@@ -6,7 +6,7 @@ Stages: tests (pytest -m gpu against the image's transformers and every wheel in
 (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
 under torchrun on the newest), and the benchmarks decode-loop, soak, decode, buckets and beams (newest
-transformers; their JSON goes straight to --out).
+transformers; each writes its JSON to --out/<stage>).
 
 `/` separates tracks that run at the same time, one after the other within a track; with several GPUs,
 track i runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first
@@ -310,7 +310,25 @@ BENCHES = {
     "decode": ["bench.decode", "--device", "cuda"],
     "buckets": ["bench.buckets", "--device", "cuda"],
     "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small,llama-small"],
-}
+    # cachelife.generate on real checkpoints' shapes and generation configs (bf16, batch 1).
+    "generate-whisper": [
+        "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
+        "bfloat16", "--tokens", "16,80", "--steps-per-call", "1,4", "--repeats", "2",
+    ],
+    "generate-whisper-beams": [
+        "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
+        "bfloat16", "--tokens", "16,48", "--beams", "5", "--steps-per-call", "1", "--repeats", "2",
+    ],
+    "generate-bart": [
+        "bench.generate", "--device", "cuda", "--models", "bart-large-cnn", "--batches", "1", "--dtype",
+        "bfloat16", "--tokens", "16,48", "--steps-per-call", "1", "--repeats", "2",
+    ],
+    "profile": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "1,8"],
+    "warm-start": [
+        "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "generate,decode", "--dtype",
+        "bfloat16",
+    ],
+}  # fmt: skip
 
 
 def run_bench(stage: str, found: dict[str, str], work: Path, out: Path) -> dict[str, Any]:
@@ -320,7 +338,7 @@ def run_bench(stage: str, found: dict[str, str], work: Path, out: Path) -> dict[
     started = time.monotonic()
     with log.open("w") as sink:
         done = subprocess.run(
-            [sys.executable, "-m", *BENCHES[stage], "--out", str(out)],
+            [sys.executable, "-m", *BENCHES[stage], "--out", str(out / stage)],
             stdout=sink,
             stderr=subprocess.STDOUT,
             env=environment(path),
