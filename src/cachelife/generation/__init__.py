@@ -34,8 +34,9 @@ def generate(
     whatever `model.generate(**kwargs)` returns).
 
     `steps_per_call` decoding steps run per call of the compiled function; the host checks for the end every
-    `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` seeds
-    sampling (exponential race; tokens are reproducible, not equal to `generate`'s multinomial draws).
+    `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` (a
+    `torch.Generator` on the model's device) seeds sampling (exponential race; tokens are reproducible, not
+    equal to `generate`'s multinomial draws; without one, a generator seeded from torch's global RNG).
     """
     if min(steps_per_call, stop_check_every) < 1:
         msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
