@@ -46,7 +46,11 @@ def generate(
         fall_back(feature, fallback)
         return model.generate(**kwargs)
     settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator)
-    return _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings)))
+    called: list[bool] = []
+    output = _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True))))
+    if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
+        fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback)
+    return output
 
 
 def _tokens(output: object) -> torch.Tensor:

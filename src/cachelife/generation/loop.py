@@ -65,9 +65,10 @@ def unsupported_criterion(criteria: StoppingCriteriaList) -> str | None:
     return None
 
 
-def decoding_method(settings: LoopSettings) -> Callable[..., torch.Tensor]:
+def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Callable[..., torch.Tensor]:
     """A decoding method for `generate(custom_generate=...)`: the compiled loop, or transformers' own
-    (after the fallback warning) for processors or stopping criteria it cannot run."""
+    (after the fallback warning) for processors or stopping criteria it cannot run. `on_call` runs first, so
+    that the caller can tell whether `generate` called it at all."""
 
     def decode(
         model: PreTrainedModel,
@@ -79,6 +80,7 @@ def decoding_method(settings: LoopSettings) -> Callable[..., torch.Tensor]:
         synced_gpus: bool = False,
         **model_kwargs: Any,
     ) -> torch.Tensor:
+        on_call()
         feature = unsupported_processor(logits_processor) or unsupported_criterion(stopping_criteria)
         if feature is not None:
             fall_back(feature, settings.fallback)
