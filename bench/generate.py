@@ -3,7 +3,7 @@
     python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base]
                              [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0]
                              [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife] [--repeats 3]
-                             [--tiny] [--out DIR]
+                             [--tiny] [--out DIR] [--tag NAME]
 
 For each model and batch size, in one process, on the same inputs and the model's own generation config
 (Whisper: language "en", task "transcribe"; bart-large-cnn: 4 beams, no-repeat 3, length penalty 2.0,
@@ -19,7 +19,7 @@ measured the same marginal way), whether the tokens equal the reference (float32
 dtypes: `generate` with the compiled forward, as compiled rounding differs from eager), and CUDA-graph skips,
 unexpected re-records and new dynamo graphs after the first calls (one per length: every max_length is
 its own compiled shape). `--tiny` swaps in the zoo's tiny models
-with the same generation configs (a CPU smoke run). Writes `<out>/generate-<device>-<date>-tf<version>.json`.
+with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag>]-<device>-<date>-tf<version>.json`.
 """
 
 from __future__ import annotations
@@ -177,10 +177,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the zoo's tiny models with the same configs")
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--tag", default="", help="added to the file name, so that runs split by model keep apart")
     args = parser.parse_args()
     device = pick_device(args.device)
     record: dict[str, Any] = {**header("generate", device), "settings": vars(args), "results": []}
-    path = results_path(args.out, "generate", device)
+    path = results_path(args.out, f"generate-{args.tag}" if args.tag else "generate", device)
     for name in args.models.split(","):
         for batch in (int(value) for value in args.batches.split(",")):
             record["results"].append(measure(name, batch, args, device))

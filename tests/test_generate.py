@@ -388,3 +388,23 @@ def test_several_steps_per_call_and_late_stop_checks(name: str) -> None:
                 **inputs_of(built), **settings,
             )  # fmt: skip
             assert torch.equal(tokens(out), expected), (settings, steps, every)
+
+
+def test_a_generate_that_does_not_call_the_decoding_method_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    built = build("t5")
+    model = built.model
+    original = model.generate
+
+    def ignores_custom_generate(**kwargs: Any) -> Any:  # as a model's own generate that drops the argument
+        kwargs.pop("custom_generate", None)
+        return original(**kwargs)
+
+    model.generate = ignores_custom_generate  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.WARNING, logger="cachelife"):
+        got = cachelife.generate(model, compile_step=False, **inputs_of(built), max_new_tokens=6)
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("cachelife")]
+    assert len(warnings) == 1
+    assert "did not call cachelife's decoding method" in warnings[0]
+    assert torch.equal(tokens(got), zoo.generate_tokens(model, inputs_of(built), max_new_tokens=6))
+    with pytest.raises(UnsupportedGenerationError, match="did not call"):
+        cachelife.generate(model, compile_step=False, fallback=False, **inputs_of(built), max_new_tokens=6)

@@ -34,8 +34,9 @@ def generate(
     whatever `model.generate(**kwargs)` returns).
 
     `steps_per_call` decoding steps run per call of the compiled function; the host checks for the end every
-    `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` seeds
-    sampling (exponential race; tokens are reproducible, not equal to `generate`'s multinomial draws).
+    `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` (a
+    `torch.Generator` on the model's device) seeds sampling (exponential race; tokens are reproducible, not
+    equal to `generate`'s multinomial draws; without one, a generator seeded from torch's global RNG).
     """
     if min(steps_per_call, stop_check_every) < 1:
         msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
@@ -45,7 +46,11 @@ def generate(
         fall_back(feature, fallback)
         return model.generate(**kwargs)
     settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator)
-    return _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings)))
+    called: list[bool] = []
+    output = _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True))))
+    if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
+        fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback)
+    return output
 
 
 def _tokens(output: object) -> torch.Tensor:

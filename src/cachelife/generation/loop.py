@@ -22,6 +22,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.modeling_outputs import BaseModelOutput
 
 import cachelife
 from cachelife.call_arguments import cache_argument_name
@@ -64,9 +65,10 @@ def unsupported_criterion(criteria: StoppingCriteriaList) -> str | None:
     return None
 
 
-def decoding_method(settings: LoopSettings) -> Callable[..., torch.Tensor]:
+def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Callable[..., torch.Tensor]:
     """A decoding method for `generate(custom_generate=...)`: the compiled loop, or transformers' own
-    (after the fallback warning) for processors or stopping criteria it cannot run."""
+    (after the fallback warning) for processors or stopping criteria it cannot run. `on_call` runs first, so
+    that the caller can tell whether `generate` called it at all."""
 
     def decode(
         model: PreTrainedModel,
@@ -78,6 +80,7 @@ def decoding_method(settings: LoopSettings) -> Callable[..., torch.Tensor]:
         synced_gpus: bool = False,
         **model_kwargs: Any,
     ) -> torch.Tensor:
+        on_call()
         feature = unsupported_processor(logits_processor) or unsupported_criterion(stopping_criteria)
         if feature is not None:
             fall_back(feature, settings.fallback)
@@ -118,18 +121,16 @@ def _prefill(
     pool = cachelife.pool_of(model)
     step_inputs: dict[str, Any] = {}
     if model.config.is_encoder_decoder:
-        encoder_outputs = model_kwargs["encoder_outputs"]
-        hidden: torch.Tensor = encoder_outputs[0]
+        # The encoder output and its mask, copied into pooled static buffers: the same addresses every step
+        # and every call of this shape (no copy into the graph, no CUDA-graph re-recording).
+        hidden = _static_copy(model, "encoder output", model_kwargs["encoder_outputs"][0])
         cache = cachelife.prepare_static_cache(
             model, batch_size=rows, max_cache_len=cache_length, encoder_length=int(hidden.shape[1]), pool=pool
         )
-        step_inputs["encoder_outputs"] = encoder_outputs
+        model_kwargs["encoder_outputs"] = step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
         mask = model_kwargs.get("attention_mask")
-        if mask is not None:
-            step_inputs["attention_mask"] = mask
-        for tensor in (hidden, mask):
-            if isinstance(tensor, torch.Tensor):
-                torch._dynamo.mark_static_address(tensor)  # the same tensors every step: no copy into the graph
+        if isinstance(mask, torch.Tensor):
+            model_kwargs["attention_mask"] = step_inputs["attention_mask"] = _static_copy(model, "encoder mask", mask)
     else:
         cache = cachelife.prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
     for stale in ("cache", "past_key_values"):
@@ -139,6 +140,21 @@ def _prefill(
     outputs = model._prefill(input_ids, config, model_kwargs)
     logits: torch.Tensor = outputs["logits"]
     return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
+def _static_copy(model: PreTrainedModel, role: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` copied into this model's pooled static buffer of its role, shape and dtype."""
+
+    def make() -> torch.Tensor:
+        buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        torch._dynamo.mark_static_address(buffer)
+        return buffer
+
+    buffer = _pooled_state(model, (role, tuple(tensor.shape), tensor.dtype, tensor.device), make)
+    if not isinstance(buffer, torch.Tensor):
+        msg = f"pooled {role} buffer is a {type(buffer).__name__}, expected a tensor"
+        raise UnsupportedGenerationError(msg)
+    return buffer.copy_(tensor)
 
 
 def _input_name(model: PreTrainedModel) -> str:

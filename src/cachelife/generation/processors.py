@@ -165,12 +165,26 @@ class _SequenceBias:
         return scores + bias
 
 
+# Attributes the rewrites read, as transformers 5.24 names them; a version without them falls back.
+_READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
+    lp.RepetitionPenaltyLogitsProcessor: ("penalty", "prompt_ignore_length"),
+    lp.SequenceBiasLogitsProcessor: ("prepared_bias_variables", "length_1_bias", "multi_token_biases"),
+    lp.NoBadWordsLogitsProcessor: ("prepared_bias_variables", "length_1_bias", "multi_token_biases"),
+    lp.SuppressTokensAtBeginLogitsProcessor: ("begin_suppress_tokens", "begin_index"),
+    lp.MinNewTokensLengthLogitsProcessor: ("prompt_length_to_skip", "min_new_tokens", "eos_token_id"),
+}
+
+
 def unsupported_processor(processors: Sequence[lp.LogitsProcessor]) -> str | None:
     """The class name of the first processor that `tensor_processors` cannot run, or None."""
     known = (*_CALLED, *_REWRITTEN)
     for processor in processors:
-        if type(processor) not in known:
-            return type(processor).__name__
+        kind = type(processor)
+        if kind not in known:
+            return kind.__name__
+        missing = [name for name in _READS.get(kind, ()) if not hasattr(processor, name)]
+        if missing:
+            return f"{kind.__name__} of this transformers version (no {', '.join(missing)})"
     return None
 
 
