@@ -11,19 +11,20 @@ class CompileConfig:
     def __init__(
         self,
         fullgraph: bool = False,
-        dynamic: bool | None = False,
+        dynamic: bool | None = None,
         backend: str = "inductor",
         mode: str = "reduce-overhead",
         options: dict[str, Any] | None = None,
     ) -> None: ...
 
 class GenerationConfig:
-    num_beams: int
-    num_return_sequences: int
+    # None on a fresh GenerationConfig (5.17 and 5.24): generate then uses its own default.
+    num_beams: int | None
+    num_return_sequences: int | None
     cache_implementation: str | None
     compile_config: CompileConfig | None
-    disable_compile: bool
-    max_length: int
+    disable_compile: bool | None
+    max_length: int | None
     eos_token_id: int | list[int] | None
     pad_token_id: int | None
     decoder_start_token_id: int | list[int] | None
