@@ -2,12 +2,22 @@
 
 Every layer cache moves through `Unallocated -> Pinned -> Filled` (see `cachelife.layer_lifecycle`). `enable`
 guards a model so that `generate` decodes only with pinned caches; `prepare_static_cache` builds pinned
-caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache.
+caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache; `decode` is
+cachelife's own compiled decode loop.
+
+`cachelife.decode` is that function, not its module: the module stays importable by name
+(`from cachelife.decode import decode`, `importlib.import_module("cachelife.decode")`).
 """
+
+import importlib
+from typing import TYPE_CHECKING
 
 from cachelife.buffers import Buffers, PinSpec
 from cachelife.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
 from cachelife.compile_cache import pinned_compile_cache
+
+# The function: binding it replaces the attribute `decode` that importing the submodule set (see above).
+from cachelife.decode import decode
 from cachelife.errors import (
     CacheLifecycleError,
     CacheShapeError,
@@ -30,10 +40,31 @@ from cachelife.integration import (
     prepare_static_cache,
     release_pool,
 )
-from cachelife.layer_lifecycle import TRANSITIONS, Filled, FillRecord, LayerLifecycle, LayerState, Pinned, Unallocated
+from cachelife.layer_lifecycle import (
+    TRANSITIONS,
+    Filled,
+    FillRecord,
+    LayerLifecycle,
+    LayerState,
+    NoStorage,
+    Pinned,
+    Unallocated,
+)
 from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
 from cachelife.pool import CachePool
 from cachelife.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, infer_cache_shapes, model_cache_shapes
+
+if TYPE_CHECKING:
+    from cachelife import zoo as zoo
+else:
+
+    def __getattr__(name: str) -> object:
+        """`cachelife.zoo` on first use: its models load transformers' model code, which `import cachelife` skips."""
+        if name == "zoo":
+            return importlib.import_module("cachelife.zoo")
+        msg = f"module 'cachelife' has no attribute {name!r}"
+        raise AttributeError(msg)
+
 
 __version__ = "0.1.0"
 
@@ -55,6 +86,7 @@ __all__ = [
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
+    "NoStorage",
     "PinSpec",
     "Pinned",
     "ReplacedBuffersError",
@@ -65,6 +97,7 @@ __all__ = [
     "UnsupportedGenerationError",
     "__version__",
     "configure_from_environment",
+    "decode",
     "disable",
     "disable_debug_logging",
     "enable",
