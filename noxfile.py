@@ -1,13 +1,14 @@
 """nox sessions. `nox` runs the default set:
 
-- `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers;
-- `slow`: the slow tests (compiled models, long loops) once, on the newest transformers;
+- `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers,
+  and on the newest the slow tests too (compiled models, long loops), in the same run and environment;
 - `typecheck` and `lint`.
 
-`nox -s full` runs the whole CPU suite (slow tests included) on both transformers releases. Every session
-runs on the Python that runs nox (3.11 to 3.13). The CPU build of torch is installed first, on its own, so
-that no later requirement lets pip pick a CUDA build (several GB) on a machine without a GPU. `gpu` runs on a
-GPU machine with the interpreter and packages already there, and skips (never passes) where CUDA is absent.
+`nox -s slow` runs the slow tests alone; `nox -s full` runs the whole CPU suite on both transformers
+releases. Every session runs on the Python that runs nox (3.11 to 3.13). The CPU build of torch is installed
+first, on its own, so that no later requirement lets pip pick a CUDA build (several GB) on a machine without
+a GPU. `gpu` runs on a GPU machine with the interpreter and packages already there, and skips (never passes)
+where CUDA is absent.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 
 import nox
 
-nox.options.sessions = ["tests", "slow", "typecheck", "lint"]
+nox.options.sessions = ["tests", "typecheck", "lint"]
 nox.options.default_venv_backend = "venv"
 # A second `nox` on the same checkout keeps each session's environment (pip only checks what is installed);
 # `nox --reuse-venv=no` starts afresh. A clean clone, as in CI, creates every environment once.
@@ -52,12 +53,13 @@ def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | N
 @nox.session
 @nox.parametrize("transformers", TRANSFORMERS)
 def tests(session: nox.Session, transformers: str) -> None:
-    """The fast tests (not slow, not gpu) against one transformers release."""
+    """The fast tests against one transformers release; against the newest, the slow tests too."""
     install(session, transformers)
-    pytest(session, FAST)
+    # One environment and one pytest run for the slow tests: a separate session would install torch again.
+    pytest(session, "not gpu" if transformers == TRANSFORMERS[-1] else FAST)
 
 
-@nox.session
+@nox.session(default=False)
 def slow(session: nox.Session) -> None:
     """The slow tests (compiled CPU models, long loops) once, against the newest transformers."""
     install(session)
