@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 
 import cachelife
 
-# Stateful property tests: `ci` runs in every `nox -s tests`; `nox -s fuzz` selects `fuzz`.
+# Stateful property tests: `ci` runs in every `nox -s tests` and `nox -s full`; `nox -s fuzz` selects `fuzz`.
 settings.register_profile(
     "ci", max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -1,9 +1,13 @@
-"""A short soak in CI (the 200-call run is `nox -s soak`): many generate calls stay correct and bounded."""
+"""A short soak (the 200-call run is `nox -s soak`): many generate calls stay correct and bounded.
+
+Slow: 80 eager generate calls take a minute or more on 2 busy cores; `nox -s slow` runs it.
+"""
 
 from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import cachelife
@@ -11,6 +15,7 @@ from cachelife import zoo
 from cachelife.cache_lifecycle import _REGISTRY
 
 CALLS = 40
+pytestmark = pytest.mark.slow
 
 
 def resident_bytes() -> int:

@@ -2,13 +2,24 @@
 
 Every layer cache moves through `Unallocated -> Pinned -> Filled` (see `cachelife.layer_lifecycle`). `enable`
 guards a model so that `generate` decodes only with pinned caches; `prepare_static_cache` builds pinned
-caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache.
+caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache; `decode` is
+cachelife's own compiled decode loop for bare configs, and `generate` takes `model.generate`'s arguments
+and decodes them in one compiled, graph-captured step.
+
+`cachelife.decode` is that function, not its module: the module stays importable by name
+(`from cachelife.decode import decode`, `importlib.import_module("cachelife.decode")`).
 """
+
+import importlib
+from typing import TYPE_CHECKING
 
 from cachelife.buffers import Buffers, PinSpec
 from cachelife.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
 from cachelife.compile_cache import pinned_compile_cache
 from cachelife.compiled import compile_forward, restore_forward
+
+# The function: binding it replaces the attribute `decode` that importing the submodule set (see above).
+from cachelife.decode import decode
 from cachelife.enabling import CacheLifecycleMixin, disable, enable, is_enabled, pool_of, release_pool
 from cachelife.errors import (
     CacheLifecycleError,
@@ -49,6 +60,18 @@ from cachelife.warm_start import (
     save_compile_artifacts,
 )
 
+if TYPE_CHECKING:
+    from cachelife import zoo as zoo
+else:
+
+    def __getattr__(name: str) -> object:
+        """`cachelife.zoo` on first use: its models load transformers' model code, which `import cachelife` skips."""
+        if name == "zoo":
+            return importlib.import_module("cachelife.zoo")
+        msg = f"module 'cachelife' has no attribute {name!r}"
+        raise AttributeError(msg)
+
+
 __all__ = [
     "TRANSITIONS",
     "Buffers",
@@ -84,6 +107,7 @@ __all__ = [
     "__version__",
     "compile_forward",
     "configure_from_environment",
+    "decode",
     "disable",
     "disable_debug_logging",
     "enable",

@@ -1,4 +1,4 @@
-"""Command line: `python -m cachelife demo` runs the main job; `recipe` runs the compiled recipe once.
+"""Command line: `python -m cachelife demo` (or `cachelife demo`) runs the main job; `recipe` runs the recipe.
 
 `recipe --json` prints one `RESULT {...}` line, for tests and benchmarks that run it in a fresh process.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,25 +18,49 @@ from cachelife.demo import run_demo
 from cachelife.recipe import run_recipe
 
 
+def program_name(argv0: str) -> str:
+    """How the user started us: `cachelife` (the console script) or `python -m cachelife`."""
+    name = os.path.basename(argv0)
+    return "python -m cachelife" if name in ("__main__.py", "-m", "") else name
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    """The command line, every option with its help and its default."""
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=defaults)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,recipe}")
+    demo = commands.add_parser(
+        "demo",
+        help="compiled static-cache generation with cachelife, checked against eager",
+        description="Compiled static-cache generation with cachelife on a small model, checked against eager.",
+        formatter_class=defaults,
+    )
+    recipe = commands.add_parser(
+        "recipe",
+        help="the compiled static-cache recipe, with or without cachelife",
+        description="transformers' compiled static-cache recipe, with or without cachelife; prints a report.",
+        formatter_class=defaults,
+    )
+    for command, calls, batch, length, tokens in ((demo, 2, 2, 12, 16), (recipe, 3, 4, 48, 64)):
+        command.add_argument("--model", default="t5", choices=zoo.MODEL_NAMES, help="model of cachelife.zoo")
+        command.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda where available)")
+        command.add_argument("--batch-size", type=int, default=batch, help="sequences per generate call")
+        command.add_argument("--input-length", type=int, default=length, help="prompt (encoder input) length")
+        command.add_argument("--new-tokens", type=int, default=tokens, help="tokens generated per call")
+        command.add_argument("--calls", type=int, default=calls, help="compiled generate calls")
+    recipe.add_argument("--without-cachelife", action="store_true", help="run transformers as released")
+    recipe.add_argument(
+        "--compile", choices=("forward", "auto"), default="forward", help="compile model.forward, or let generate"
+    )
+    recipe.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype")
+    recipe.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams")
+    recipe.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run it, and return the process exit status."""
-    parser = argparse.ArgumentParser(prog="python -m cachelife", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="compiled static-cache generation with cachelife, checked against eager")
-    recipe = commands.add_parser("recipe", help="the compiled static-cache recipe, with or without cachelife")
-    for command, calls, batch, length, tokens in ((demo, 2, 2, 12, 16), (recipe, 3, 4, 48, 64)):
-        command.add_argument("--model", default="t5", choices=zoo.MODEL_NAMES, help="zoo model (default: t5)")
-        command.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if available)")
-        command.add_argument("--batch-size", type=int, default=batch)
-        command.add_argument("--input-length", type=int, default=length)
-        command.add_argument("--new-tokens", type=int, default=tokens)
-        command.add_argument("--calls", type=int, default=calls, help=f"compiled generate calls (default: {calls})")
-    recipe.add_argument("--without-cachelife", action="store_true", help="run transformers as released")
-    recipe.add_argument("--compile", choices=("forward", "auto"), default="forward")
-    recipe.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    recipe.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (default: 1)")
-    recipe.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
-    args = parser.parse_args(argv)
+    args = build_parser(program_name(sys.argv[0])).parse_args(argv)
     if args.command == "demo":
         report = run_demo(
             model_name=args.model,

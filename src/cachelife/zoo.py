@@ -176,11 +176,12 @@ def whisper_v3_generation(config: GenerationConfig) -> None:
     languages = ("en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr")
     config.suppress_tokens = list(WHISPER_V3_SUPPRESS_TOKENS)
     config.begin_suppress_tokens = [220, 50257]
-    config.lang_to_id = {f"<|{code}|>": 50259 + index for index, code in enumerate(languages)}
-    config.task_to_id = {"translate": 50359, "transcribe": 50360}
-    config.is_multilingual = True
-    config.no_timestamps_token_id = 50364
-    config.return_timestamps = False
+    _set_whisper_fields(
+        config,
+        lang_to_id={f"<|{code}|>": 50259 + index for index, code in enumerate(languages)},
+        task_to_id={"translate": 50359, "transcribe": 50360},
+        no_timestamps_token_id=50364,
+    )
     config.max_length = 448
 
 
@@ -189,11 +190,27 @@ def whisper_tiny_generation(config: GenerationConfig) -> None:
     no-timestamps 262, a suppress list and begin-suppress [220, eos]."""
     config.suppress_tokens = [3, 7, 11, 40, 41, 97, 120, 131, 250, 251, 260, 261]
     config.begin_suppress_tokens = [220, 2]
-    config.lang_to_id = {f"<|{code}|>": 250 + index for index, code in enumerate(("en", "de", "fr"))}
-    config.task_to_id = {"translate": 260, "transcribe": 261}
-    config.is_multilingual = True
-    config.no_timestamps_token_id = 262
-    config.return_timestamps = False
+    _set_whisper_fields(
+        config,
+        lang_to_id={f"<|{code}|>": 250 + index for index, code in enumerate(("en", "de", "fr"))},
+        task_to_id={"translate": 260, "transcribe": 261},
+        no_timestamps_token_id=262,
+    )
+
+
+def _set_whisper_fields(
+    config: GenerationConfig, *, lang_to_id: dict[str, int], task_to_id: dict[str, int], no_timestamps_token_id: int
+) -> None:
+    """Fields Whisper checkpoints add to their plain `GenerationConfig` (not attributes of a fresh one)."""
+    fields = {
+        "lang_to_id": lang_to_id,
+        "task_to_id": task_to_id,
+        "is_multilingual": True,
+        "no_timestamps_token_id": no_timestamps_token_id,
+        "return_timestamps": False,
+    }
+    for name, value in fields.items():
+        setattr(config, name, value)
 
 
 def bart_cnn_generation(config: GenerationConfig) -> None:

@@ -65,7 +65,13 @@ class Cache:
 
 class DynamicCache(Cache):
     layers: list[Any]
-    def __init__(self, ddp_cache_data: Any = None, config: PreTrainedConfig | None = None, **kwargs: Any) -> None: ...
+    def __init__(
+        self,
+        ddp_cache_data: Any = None,
+        config: PreTrainedConfig | None = None,
+        offloading: bool = False,
+        offload_only_non_sliding: bool = False,
+    ) -> None: ...
 
 class StaticCache(Cache):
     # StaticLayer, StaticSlidingWindowLayer, ... or layer types cachelife refuses (narrow before use).

@@ -95,7 +95,7 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
                 raise UnsupportedGenerationError(msg)
             return result
         with pinned_compile_cache():
-            search = _beam_search if generation_config.num_beams > 1 else _greedy
+            search = _beam_search if _int_field(generation_config, "num_beams") > 1 else _greedy
             return search(
                 model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
                 model_kwargs=model_kwargs,
@@ -190,8 +190,48 @@ def _run(step: Callable[[], None], is_running: Callable[[], torch.Tensor], steps
 
 
 def _eos(config: GenerationConfig) -> torch.Tensor | None:
-    eos: torch.Tensor | None = config._eos_token_tensor
+    eos = _special_tokens(config, "_eos_token_tensor")
     return None if eos is None else eos.view(-1).to(torch.long)
+
+
+def _special_tokens(config: GenerationConfig, name: str) -> torch.Tensor | None:
+    """A special-token tensor `generate` sets on its config (`_prepare_special_tokens`): not a field a fresh
+    `GenerationConfig` has, so it is read by name."""
+    value = getattr(config, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _resolved(config: GenerationConfig, name: str) -> object:
+    """A field `generate` has filled with its default by the time it calls the decoding method."""
+    value = getattr(config, name)
+    if value is None:
+        msg = f"generate called cachelife's decoding method with generation_config.{name} unset; expected a value"
+        raise UnsupportedGenerationError(msg)
+    return value
+
+
+def _float_field(config: GenerationConfig, name: str) -> float:
+    value = _resolved(config, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"generation_config.{name} must be a number here, got {value!r}"
+        raise UnsupportedGenerationError(msg)
+    return float(value)
+
+
+def _early_stopping(config: GenerationConfig) -> bool | str:
+    value = _resolved(config, "early_stopping")
+    if not isinstance(value, bool | str):
+        msg = f"generation_config.early_stopping must be True, False or 'never', got {value!r}"
+        raise UnsupportedGenerationError(msg)
+    return value
+
+
+def _int_field(config: GenerationConfig, name: str) -> int:
+    value = _resolved(config, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"generation_config.{name} must be an int here, got {value!r}"
+        raise UnsupportedGenerationError(msg)
+    return value
 
 
 # -- greedy search and sampling ----------------------------------------------------------------------------
@@ -239,13 +279,13 @@ def _greedy(
     model_kwargs: dict[str, Any],
 ) -> torch.Tensor:
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
-    max_length = int(config.max_length)
+    max_length = _int_field(config, "max_length")
     spc = settings.steps_per_call
     width = buffer_width(max_length)
     step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, width + spc)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = _eos(config)
-    pad_tensor = config._pad_token_tensor
+    pad_tensor = _special_tokens(config, "_pad_token_tensor")
     choice = Choice(
         tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
         0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
@@ -316,19 +356,19 @@ def _beam_search(
     settings: LoopSettings,
     model_kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    beams = int(config.num_beams)
+    beams = _int_field(config, "num_beams")
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
-    max_length = int(config.max_length)
+    max_length = _int_field(config, "max_length")
     spc = settings.steps_per_call
     step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, buffer_width(max_length) + spc)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = _eos(config)
     plan = BeamPlan.make(
         tensor_processors(processors, vocab_size=vocab, device=device), eos, batch=rows // beams, beams=beams,
-        prompt_length=prompt_length, max_length=max_length, early_stopping=config.early_stopping,
-        length_penalty=float(config.length_penalty), device=device,
+        prompt_length=prompt_length, max_length=max_length, early_stopping=_early_stopping(config),
+        length_penalty=_float_field(config, "length_penalty"), device=device,
     )  # fmt: skip
-    pad, eos_ids = config._pad_token_tensor, config._eos_token_tensor
+    pad, eos_ids = _special_tokens(config, "_pad_token_tensor"), _special_tokens(config, "_eos_token_tensor")
     fill = int(pad or eos_ids[0] if eos_ids is not None else -1)  # `_beam_search`'s output_fill_value, as written
     key = ("beams", plan.batch, beams, plan.width)
     state = _pooled_state(model, key, lambda: BeamState.allocate(plan, device))
@@ -348,4 +388,4 @@ def _beam_search(
         max_length - prompt_length - 1,
         settings,
     )
-    return beam_output(state, plan, int(config.num_return_sequences))
+    return beam_output(state, plan, _int_field(config, "num_return_sequences"))

@@ -21,25 +21,26 @@ class CompileConfig:
     def __init__(
         self,
         fullgraph: bool = False,
-        dynamic: bool | None = False,
+        dynamic: bool | None = None,
         backend: str = "inductor",
         mode: str = "reduce-overhead",
         options: dict[str, Any] | None = None,
     ) -> None: ...
 
 class GenerationConfig:
-    num_beams: int
-    num_return_sequences: int
+    # None on a fresh GenerationConfig (5.17 and 5.24): generate then uses its own default.
+    num_beams: int | None
+    num_return_sequences: int | None
     cache_implementation: str | None
     compile_config: CompileConfig | None
-    disable_compile: bool
-    max_length: int
+    disable_compile: bool | None
+    max_length: int | None
     eos_token_id: int | list[int] | None
     pad_token_id: int | None
     decoder_start_token_id: int | list[int] | None
     forced_eos_token_id: int | list[int] | None
     no_repeat_ngram_size: int | None
-    do_sample: bool
+    do_sample: bool | None
     min_length: int | None
     min_new_tokens: int | None
     max_new_tokens: int | None
@@ -51,16 +52,10 @@ class GenerationConfig:
     temperature: float | None
     top_k: int | None
     top_p: float | None
-    # Whisper's fields, set on the plain GenerationConfig of Whisper checkpoints.
-    lang_to_id: dict[str, int]
-    task_to_id: dict[str, int]
-    is_multilingual: bool
-    no_timestamps_token_id: int
-    return_timestamps: bool
-    early_stopping: bool | str
-    length_penalty: float
-    # Set by GenerationMixin._prepare_special_tokens (cachelife.generate reads them inside generate).
-    _eos_token_tensor: torch.Tensor | None
-    _pad_token_tensor: torch.Tensor | None
+    early_stopping: bool | str | None
+    length_penalty: float | None
+    # Whisper checkpoints' fields (lang_to_id, task_to_id, no_timestamps_token_id, ...) and the special-token
+    # tensors generate sets (_eos_token_tensor, _pad_token_tensor) are not on a fresh GenerationConfig: they
+    # are read and written through getattr / setattr.
     def get_generation_mode(self, assistant_model: Any = None) -> GenerationMode: ...
     def __init__(self, **kwargs: Any) -> None: ...

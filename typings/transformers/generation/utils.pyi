@@ -27,8 +27,24 @@ class GenerationMixin:
     def _prefill(
         self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any]
     ) -> ModelOutput: ...
-    def _sample(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor | ModelOutput: ...
-    def _beam_search(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor | ModelOutput: ...
+    def _sample(
+        self,
+        input_ids: torch.Tensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        **model_kwargs: Any,
+    ) -> torch.Tensor | ModelOutput: ...
+    def _beam_search(
+        self,
+        input_ids: torch.Tensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        **model_kwargs: Any,
+    ) -> torch.Tensor | ModelOutput: ...
     def _prepare_special_tokens(
         self,
         generation_config: GenerationConfig,
