@@ -22,11 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
-from bench.timing import timed
+from bench.timing import kernels_per_step, timed
 from cachelife import zoo
 from cachelife.decode import decode
 from cachelife.recipe import pick_device
@@ -41,16 +40,8 @@ def marginal_ms(device: torch.device, run: Callable[[int], torch.Tensor]) -> flo
 
 
 def kernel_ms(device: torch.device, run: Callable[[int], torch.Tensor]) -> float | None:
-    if device.type != "cuda":
-        return None
-    totals = {}
-    for tokens in (SHORT, LONG):
-        with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            run(tokens)
-            torch.cuda.synchronize(device)
-        events = [e for e in trace.key_averages() if e.device_type.name == "CUDA"]
-        totals[tokens] = sum(e.self_device_time_total for e in events) / 1000
-    return float(totals[LONG] - totals[SHORT]) / (LONG - SHORT)
+    measured = kernels_per_step(device, run, SHORT, LONG)
+    return None if measured is None else measured[0]
 
 
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:

@@ -31,12 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import CompileConfig
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
-from bench.timing import timed
+from bench.timing import kernels_per_step, timed
 from cachelife import zoo
 from cachelife.recipe import CudaGraphHealth, pick_device
 
@@ -77,16 +76,8 @@ def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: 
 
 
 def kernel_ms(device: torch.device, run: Run, short: int, long: int) -> float | None:
-    if device.type != "cuda":
-        return None
-    totals = {}
-    for tokens in (short, long):
-        with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            run(tokens)
-            torch.cuda.synchronize(device)
-        events = [e for e in trace.key_averages() if e.device_type.name == "CUDA"]
-        totals[tokens] = sum(e.self_device_time_total for e in events) / 1000
-    return float(totals[long] - totals[short]) / (long - short)
+    measured = kernels_per_step(device, run, short, long)
+    return None if measured is None else measured[0]
 
 
 def paths(

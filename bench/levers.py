@@ -38,7 +38,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from bench.decode_loop import first_divergence
 from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
-from bench.timing import timed
+from bench.timing import kernels_per_step, timed
 from cachelife import zoo
 from cachelife.call_arguments import cache_argument_name
 from cachelife.decode import decode
@@ -57,22 +57,10 @@ PRESETS: dict[str, dict[str, bool]] = {
 
 def kernel_profile(device: torch.device, run: Any, short: int, long: int) -> dict[str, float] | None:
     """GPU kernel milliseconds and kernels per step, (long run - short run) / (long - short); None off CUDA."""
-    if device.type != "cuda":
+    measured = kernels_per_step(device, run, short, long)
+    if measured is None:
         return None
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    totals = {}
-    for tokens in (short, long):
-        with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            run(tokens)
-            torch.cuda.synchronize(device)
-        events = [e for e in trace.key_averages() if e.device_type.name == "CUDA"]
-        totals[tokens] = (sum(e.self_device_time_total for e in events) / 1000, sum(e.count for e in events))
-    steps = long - short
-    return {
-        "kernel_ms_per_step": round((totals[long][0] - totals[short][0]) / steps, 4),
-        "kernels_per_step": round((totals[long][1] - totals[short][1]) / steps, 2),
-    }
+    return {"kernel_ms_per_step": round(measured[0], 4), "kernels_per_step": round(measured[1], 2)}
 
 
 def teacher_forced_logits(model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def synchronize(device: torch.device) -> None:
@@ -26,3 +27,21 @@ def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float
 def greedy(tokens: int) -> dict[str, Any]:
     """`generate` settings for exactly `tokens` new tokens, greedy."""
     return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
+
+
+def kernels_per_step(
+    device: torch.device, run: Callable[[int], Any], short: int, long: int
+) -> tuple[float, float] | None:
+    """GPU kernel milliseconds and kernel launches per decoding step, measured the marginal way: (a run of
+    `long` new tokens - a run of `short`) / (long - short), each under torch.profiler. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    totals: dict[int, tuple[float, int]] = {}
+    for tokens in (short, long):
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            run(tokens)
+            synchronize(device)
+        events = [event for event in trace.key_averages() if event.device_type.name == "CUDA"]
+        totals[tokens] = (sum(event.self_device_time_total for event in events) / 1000, sum(e.count for e in events))
+    steps = long - short
+    return (totals[long][0] - totals[short][0]) / steps, (totals[long][1] - totals[short][1]) / steps
