@@ -15,7 +15,7 @@ from typing import TypeAlias, TypeGuard
 
 import torch
 from attrs import define, field
-from transformers.cache_utils import Cache, EncoderDecoderCache, StaticCache
+from transformers.cache_utils import Cache, EncoderDecoderCache, StaticCache, StaticLayer
 from typing_extensions import TypeIs
 
 from cachelife.buffers import PinSpec
@@ -36,6 +36,8 @@ from cachelife.shapes import CacheShapes, LayerShape
 from cachelife.validate import check_int
 
 ManagedCache: TypeAlias = StaticCache | EncoderDecoderCache
+# A pinned layer and the keys, values and cumulative_length it must still hold.
+Watched: TypeAlias = tuple[StaticLayer, torch.Tensor, torch.Tensor, torch.Tensor]
 Devices: TypeAlias = torch.device | str | Sequence[torch.device | str]
 
 
@@ -71,6 +73,9 @@ class CacheLifecycle:
     _layer_ids: tuple[int, ...] = field(alias="layer_ids")
     # (transitions_so_far() when computed, is_pinned, is_filled): checked once per step while decoding.
     _verdict: tuple[int, bool, bool] = field(default=(-1, False, False), alias="verdict")
+    # (transitions_so_far() when computed, (layer, keys, values, cumulative_length) of every pinned layer):
+    # what each pinned layer must still hold, compared by identity once per decoding step.
+    _watched: tuple[int, tuple[Watched, ...]] = field(default=(-1, ()), alias="watched")
 
     @property
     def layers(self) -> tuple[LayerLifecycle, ...]:
@@ -122,12 +127,24 @@ class CacheLifecycle:
     def replaced(self) -> tuple[tuple[LayerLifecycle, list[str]], ...]:
         """Pinned layers whose tensors were replaced behind the lifecycle's back, each with the names of the
         replaced tensors (keys, values, cumulative_length); empty when every layer holds its pinned tensors."""
+        if not self._any_replaced():
+            return ()
         found = []
         for layer in self.layers:
             names = layer.replaced_tensors()
             if names:
                 found.append((layer, names))
         return tuple(found)
+
+    def _any_replaced(self) -> bool:
+        # The per-step fast path: identity checks against a list rebuilt only after a transition.
+        now = transitions_so_far()
+        if self._watched[0] != now:
+            self._watched = (now, tuple(_pinned_tensors(layer) for layer in self.layers if layer.is_pinned))
+        for layer, keys, values, length in self._watched[1]:
+            if layer.keys is not keys or layer.values is not values or layer.cumulative_length is not length:
+                return True
+        return False
 
     def require_pinned(self) -> None:
         """Raise `UnpinnedCacheError` naming every layer that is not pinned."""
@@ -232,6 +249,11 @@ class CacheLifecycle:
             layer.check("release")
         for layer in pinned:
             layer.release()
+
+
+def _pinned_tensors(layer: LayerLifecycle) -> Watched:
+    keys, values, length = layer.buffers.tensors  # a pinned layer records exactly these three
+    return layer.layer, keys, values, length
 
 
 _REGISTRY: weakref.WeakKeyDictionary[Cache, CacheLifecycle] = weakref.WeakKeyDictionary()
