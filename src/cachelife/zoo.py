@@ -133,7 +133,8 @@ def marian_tiny() -> MarianConfig:
 
 def whisper_large_v3_shaped() -> WhisperConfig:
     """Shaped like whisper-large-v3's decoder (32 layers, d_model 1280, 20 heads, FFN 5120, vocab 51866, 1500
-    encoder positions, 128 mel bins) with 2 encoder layers to keep it cheap (FACTS.md section 6)."""
+    encoder positions, 128 mel bins) with 2 encoder layers to keep it cheap: decoding reads only the encoder
+    output, whose shape this keeps."""
     return WhisperConfig(
         vocab_size=51866, num_mel_bins=128, encoder_layers=2, decoder_layers=32, encoder_attention_heads=20,
         decoder_attention_heads=20, d_model=1280, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
