@@ -151,6 +151,9 @@ class _SequenceBias:
 
     single: torch.Tensor  # (vocab,)
     groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (prefixes, last tokens, biases)
+    # A sequence with a prefix of k tokens applies once the sequence holds k + extra_context tokens: 0 in
+    # transformers 5.24 (the prefix fits), 1 in 5.17 (the whole biased sequence would fit).
+    extra_context: int
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         bias = torch.zeros_like(scores)
@@ -160,7 +163,7 @@ class _SequenceBias:
             k = prefixes.shape[1]
             at = (length - k + torch.arange(k, device=tokens.device)).clamp(0, width - 1)
             tail = tokens.index_select(1, at)
-            matching = (tail[:, None, :] == prefixes).all(dim=-1) & (length >= k)
+            matching = (tail[:, None, :] == prefixes).all(dim=-1) & (length >= k + self.extra_context)
             bias = bias.index_add(1, last, torch.where(matching, biases, 0.0).to(bias.dtype))
         return scores + bias
 
@@ -168,8 +171,8 @@ class _SequenceBias:
 # Attributes the rewrites read, as transformers 5.24 names them; a version without them falls back.
 _READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
     lp.RepetitionPenaltyLogitsProcessor: ("penalty", "prompt_ignore_length"),
-    lp.SequenceBiasLogitsProcessor: ("prepared_bias_variables", "length_1_bias", "multi_token_biases"),
-    lp.NoBadWordsLogitsProcessor: ("prepared_bias_variables", "length_1_bias", "multi_token_biases"),
+    lp.SequenceBiasLogitsProcessor: ("sequence_bias", "prepared_bias_variables"),
+    lp.NoBadWordsLogitsProcessor: ("sequence_bias", "prepared_bias_variables"),
     lp.SuppressTokensAtBeginLogitsProcessor: ("begin_suppress_tokens", "begin_index"),
     lp.MinNewTokensLengthLogitsProcessor: ("prompt_length_to_skip", "min_new_tokens", "eos_token_id"),
 }
@@ -225,15 +228,35 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
         case lp.NoRepeatNGramLogitsProcessor():
             return _NoRepeatNGram(processor.ngram_size)
         case lp.SequenceBiasLogitsProcessor():  # NoBadWordsLogitsProcessor included
-            if not processor.prepared_bias_variables:
-                processor._prepare_bias_variables(torch.empty(1, vocab_size, device=device))
-            prepared = vars(processor)  # set by _prepare_bias_variables; typed None in transformers' __init__
-            multi: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = prepared["multi_token_biases"]
-            single: torch.Tensor = prepared["length_1_bias"]
-            groups = tuple((p.to(device), t.to(device), b.to(device)) for p, t, b in multi)
-            return _SequenceBias(single.to(device), groups)
+            return _sequence_bias(processor, vocab_size, device)
         case _:
             return _Called(processor)
+
+
+def _sequence_bias(processor: lp.SequenceBiasLogitsProcessor, vocab_size: int, device: torch.device) -> _SequenceBias:
+    """From the processor's `sequence_bias` ({token ids: bias}, in 5.17 and 5.24 alike): single tokens as one
+    bias row, longer sequences grouped by prefix length, as 5.24 groups them."""
+    if not processor.prepared_bias_variables:  # transformers' own check of the token ids against the vocabulary
+        processor._prepare_bias_variables(torch.empty(1, vocab_size, device=device))
+    entries: dict[tuple[int, ...], float] = processor.sequence_bias
+    single = torch.zeros(vocab_size, dtype=torch.float, device=device)
+    by_prefix: dict[int, list[tuple[tuple[int, ...], float]]] = {}
+    for ids, bias in entries.items():
+        if len(ids) == 1:
+            single[ids[0]] = bias
+        else:
+            by_prefix.setdefault(len(ids) - 1, []).append((ids, bias))
+    groups = tuple(
+        (
+            torch.tensor([ids[:-1] for ids, _ in group], device=device),
+            torch.tensor([ids[-1] for ids, _ in group], device=device),
+            torch.tensor([bias for _, bias in group], dtype=torch.float, device=device),
+        )
+        for group in by_prefix.values()
+    )
+    # 5.24 computes `multi_token_biases` and applies a sequence once its prefix fits; 5.17 has no such attribute
+    # and waits until the whole sequence would fit.
+    return _SequenceBias(single, groups, extra_context=0 if hasattr(processor, "multi_token_biases") else 1)
 
 
 _REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
