@@ -140,7 +140,7 @@ def compile_forward(device: torch.device) -> Callable[[zoo.ZooModel], None]:
     def prepare(built: zoo.ZooModel) -> None:
         cachelife.enable(built.model)
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        built.model.forward = torch.compile(built.model.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+        cachelife.compile_forward(built.model, mode=mode, fullgraph=True)
 
     return prepare
 

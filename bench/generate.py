@@ -25,6 +25,7 @@ with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -102,7 +103,7 @@ def paths(
     if "forward" in wanted:
         forward = cachelife.enable(build(name, args.tiny, device, dtype).model)
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        forward.forward = torch.compile(forward.forward, mode=mode, fullgraph=True)  # type: ignore[method-assign]
+        cachelife.compile_forward(forward, mode=mode, fullgraph=True)
         static: dict[str, Any] = {"cache_implementation": "static"}
         runs["forward"] = (
             lambda n: as_tokens(forward.generate(**inputs, **settings_for(name, args.beams, n), **static)),
@@ -130,7 +131,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
     outputs: dict[str, torch.Tensor] = {}
     for path, (run, _) in paths(name, args, device, dtype, batch).items():
         start = CudaGraphHealth.now()
-        first_s, outputs[path] = timed(device, lambda run=run: run(long))  # type: ignore[misc]
+        first_s, outputs[path] = timed(device, functools.partial(run, long))
         run(short)  # a different max_length is a different compiled shape: compile it before timing
         after_first = CudaGraphHealth.now()
         ms = marginal_ms(device, run, short, long, args.repeats)
