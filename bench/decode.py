@@ -36,7 +36,7 @@ from transformers import CompileConfig
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
-from bench.timing import greedy, timed
+from bench.timing import greedy, marginal_runs, timed
 from cachelife import zoo
 from cachelife.recipe import CudaGraphHealth, pick_device
 
@@ -75,22 +75,16 @@ def measure_path(
     after_first = CudaGraphHealth.now()
     same_shape = [generate(LONG) for _ in range(SAME_SHAPE_CALLS)]
     after_same_shape = CudaGraphHealth.now()
-    short_times, long_times, equal = [], [], [first_equal, second_equal, *(e for _, e in same_shape)]
-    for _ in range(REPEATS):
-        seconds, ok = generate(SHORT)
-        short_times.append(seconds)
-        equal.append(ok)
-        seconds, ok = generate(LONG)
-        long_times.append(seconds)
-        equal.append(ok)
+    timing = marginal_runs(generate, SHORT, LONG, REPEATS)
+    equal = [first_equal, second_equal, *(e for _, e in same_shape)]
     end = CudaGraphHealth.now()
     return {
         "first_call_s": round(first_s, 4),
         "second_call_s": round(second_s, 4),
-        "call_s": {str(SHORT): [round(t, 4) for t in short_times], str(LONG): [round(t, 4) for t in long_times]},
-        "marginal_ms_per_step": round(1000 * (min(long_times) - min(short_times)) / (LONG - SHORT), 4),
-        "tokens_equal_eager": all(equal),
-        "calls": len(equal),
+        "call_s": timing["call_s"],
+        "marginal_ms_per_step": timing["marginal_ms_per_step"],
+        "tokens_equal_eager": all(equal) and timing["all_equal"],
+        "calls": len(equal) + timing["calls"],
         "cudagraph_skips": end.cudagraph_skips - start.cudagraph_skips,
         "rerecords_after_first_call": after_same_shape.rerecords - after_first.rerecords,
         "rerecords_total": end.rerecords - start.rerecords,

@@ -45,3 +45,22 @@ def kernels_per_step(
         totals[tokens] = (sum(event.self_device_time_total for event in events) / 1000, sum(e.count for e in events))
     steps = long - short
     return (totals[long][0] - totals[short][0]) / steps, (totals[long][1] - totals[short][1]) / steps
+
+
+def marginal_runs(generate: Callable[[int], tuple[float, bool]], short: int, long: int, repeats: int) -> dict[str, Any]:
+    """`repeats` alternating calls of `short` and `long` new tokens (`generate(tokens)` returns seconds and
+    whether the tokens were right): every call's seconds, the marginal ms per step (best long - best short,
+    over long - short), and whether every call was right."""
+    times: dict[int, list[float]] = {short: [], long: []}
+    right = []
+    for _ in range(repeats):
+        for tokens in (short, long):
+            seconds, ok = generate(tokens)
+            times[tokens].append(seconds)
+            right.append(ok)
+    return {
+        "call_s": {str(tokens): [round(t, 4) for t in values] for tokens, values in times.items()},
+        "marginal_ms_per_step": round(1000 * (min(times[long]) - min(times[short])) / (long - short), 4),
+        "all_equal": all(right),
+        "calls": len(right),
+    }
