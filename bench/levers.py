@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +33,9 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 import cachelife
+from bench.child import run_child
 from bench.decode_loop import first_divergence
-from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
+from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
 from cachelife import zoo
 from cachelife.call_arguments import cache_argument_name
@@ -126,21 +124,15 @@ def child(args: argparse.Namespace) -> None:
 
 def run_preset(preset: str, args: argparse.Namespace, dtype: str, scratch: Path) -> dict[str, Any]:
     """Run one preset in a fresh process with an empty compile cache; its record and correctness."""
-    cache_dir = scratch / f"cache-{preset}"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    command = [
-        sys.executable, "-m", "bench.levers", "--child", preset, "--scratch", str(scratch), "--device", args.device,
-        "--model", args.model, "--batch-size", str(args.batch_size), "--dtype", dtype, "--tokens", str(args.tokens),
+    arguments = [
+        "--child", preset, "--scratch", str(scratch), "--device", args.device, "--model", args.model,
+        "--batch-size", str(args.batch_size), "--dtype", dtype, "--tokens", str(args.tokens),
         "--short", str(args.short), "--long", str(args.long),
     ]  # fmt: skip
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        return {"preset": preset, "returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
-    record: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    record["process_s"] = round(time.perf_counter() - started, 1)
+    record, process = run_child("bench.levers", arguments, scratch / f"cache-{preset}")
+    if record is None:
+        return {"preset": preset, "returncode": process["returncode"], "stderr_tail": process["stderr_tail"]}
+    record["process_s"] = round(process["process_s"], 1)
     record["correctness"] = correctness(scratch, preset, dtype)
     return record
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,8 @@ from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
+from bench.child import run_child
+from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
 from cachelife import zoo
 from cachelife.decode import decode
@@ -96,20 +96,14 @@ def _decode_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) ->
 def run_role(role: str, args: argparse.Namespace, model: str, path: str, folder: Path) -> dict[str, Any]:
     """Run one fresh process for `role`; its record, or its return code and stderr's tail."""
     cache_dir = folder / ("cache-loaded" if role == "loaded_artifacts" else "cache-shared")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    command = [
-        sys.executable, "-m", "bench.warm_start", "--child", role, "--artifacts", str(folder / "warm.artifacts"),
-        "--device", args.device, "--model", model, "--path", path, "--dtype", args.dtype,
-        "--new-tokens", str(args.new_tokens),
+    arguments = [
+        "--child", role, "--artifacts", str(folder / "warm.artifacts"), "--device", args.device, "--model", model,
+        "--path", path, "--dtype", args.dtype, "--new-tokens", str(args.new_tokens),
     ]  # fmt: skip
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        return {"role": role, "returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
-    record: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    record["process_s"] = round(time.perf_counter() - started, 3)
+    record, process = run_child("bench.warm_start", arguments, cache_dir)
+    if record is None:
+        return {"role": role, "returncode": process["returncode"], "stderr_tail": process["stderr_tail"]}
+    record["process_s"] = round(process["process_s"], 3)
     return record
 
 
