@@ -2,8 +2,8 @@
 
     python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base]
                              [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0]
-                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife] [--repeats 3]
-                             [--tiny] [--out DIR] [--tag NAME]
+                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife] [--full-guards]
+                             [--repeats 3] [--tiny] [--out DIR] [--tag NAME]
 
 For each model and batch size, in one process, on the same inputs and the model's own generation config
 (Whisper: language "en", task "transcribe"; bart-large-cnn: 4 beams, no-repeat 3, length penalty 2.0,
@@ -12,7 +12,8 @@ tokens (`min_new_tokens = max_new_tokens = N`):
 - `eager`: `generate`, dynamic cache;
 - `auto`: transformers' auto-compile (`compile_config`, static cache);
 - `forward`: `generate` with a compiled forward (`reduce-overhead` on CUDA) and `cachelife.enable`;
-- `cachelife`: `cachelife.generate`, once per `--steps-per-call` value.
+- `cachelife`: `cachelife.generate`, once per `--steps-per-call` value (with `--full-guards`, once more
+  each with dynamo's guards checked in full on every step call, as before cachelife skipped them on repeats).
 Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
 `--repeats`), first-call seconds (compilation included), GPU kernel ms per step (torch.profiler, CUDA only,
 measured the same marginal way), whether the tokens equal the reference (float32: eager `generate`; other
@@ -28,6 +29,7 @@ import argparse
 import functools
 import json
 import sys
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,7 @@ import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
 from cachelife import zoo
+from cachelife.generation import loop
 from cachelife.recipe import CudaGraphHealth, pick_device
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
@@ -120,7 +123,20 @@ def paths(
                 return as_tokens(out)
 
             runs[f"cachelife_spc{steps}"] = (run, "cachelife")
+            if args.full_guards:
+                runs[f"cachelife_spc{steps}_full_guards"] = (functools.partial(with_full_guards, run), "cachelife")
     return runs
+
+
+def with_full_guards(run: Run, tokens: int) -> torch.Tensor:
+    """`run(tokens)` with dynamo checking every guard on every step call (`call_step` always told to), as
+    before cachelife skipped them on repeat calls: the host time that skipping saves."""
+
+    def call_step(step: Callable[..., Any], check_guards: bool, /, *args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    with unittest.mock.patch.object(loop, "call_step", call_step):
+        return run(tokens)
 
 
 def measure(name: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -165,6 +181,9 @@ def main() -> int:
     parser.add_argument("--beams", type=int, default=0, help="num_beams for every model; 0 keeps each config's")
     parser.add_argument("--steps-per-call", default="1,4", help="cachelife.generate's steps_per_call values")
     parser.add_argument("--paths", default="eager,auto,forward,cachelife")
+    parser.add_argument(
+        "--full-guards", action="store_true", help="also time each cachelife path with every guard checked every call"
+    )
     parser.add_argument("--input-length", type=int, default=64, help="prompt length of the text models")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the zoo's tiny models with the same configs")

@@ -310,22 +310,45 @@ BENCHES = {
     "decode": ["bench.decode", "--device", "cuda"],
     "buckets": ["bench.buckets", "--device", "cuda"],
     "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small,llama-small"],
-    # cachelife.generate on real checkpoints' shapes and generation configs (bf16, batch 1).
+    # cachelife.generate on real checkpoints' shapes and generation configs (bf16). Whisper's decoder prompt is
+    # 4 tokens, so 16 and 56 new tokens share cachelife's 64-column buffers (one compiled step per spc).
     "generate-whisper": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,80", "--steps-per-call", "1,4", "--repeats", "2",
+        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4", "--full-guards", "--repeats", "3",
+    ],
+    "generate-whisper-b8": [
+        "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "8", "--dtype",
+        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "b8",
     ],
     "generate-whisper-beams": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,48", "--beams", "5", "--steps-per-call", "1", "--repeats", "2",
+        "bfloat16", "--tokens", "16,48", "--beams", "5", "--steps-per-call", "1,4", "--full-guards",
+        "--paths", "forward,cachelife", "--repeats", "2", "--tag", "beams5",
     ],
     "generate-bart": [
-        "bench.generate", "--device", "cuda", "--models", "bart-large-cnn", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,48", "--steps-per-call", "1", "--repeats", "2",
+        "bench.generate", "--device", "cuda", "--models", "bart-large-cnn", "--batches", "1,8", "--dtype",
+        "bfloat16", "--tokens", "16,48", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "bart",
+    ],
+    "generate-t5": [
+        "bench.generate", "--device", "cuda", "--models", "t5-base", "--batches", "1,8", "--dtype",
+        "bfloat16", "--tokens", "16,48", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "t5",
     ],
     "profile": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "1,8"],
+    # Each preset list runs its own baseline: correctness is judged against the baseline of the same run.
+    "levers-a": [
+        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
+        "baseline,combo_kernels",
+    ],
+    "levers-b": [
+        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
+        "baseline,coordinate_descent,max_autotune_gemm",
+    ],
     "warm-start": [
         "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "generate,decode", "--dtype",
+        "bfloat16",
+    ],
+    "warm-start-whisper": [
+        "bench.warm_start", "--device", "cuda", "--models", "whisper-large-v3", "--paths", "decode", "--dtype",
         "bfloat16",
     ],
 }  # fmt: skip

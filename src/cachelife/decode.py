@@ -34,6 +34,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_encoder_states
 from cachelife.call_arguments import cache_argument_name
 from cachelife.compile_cache import pinned_compile_cache
+from cachelife.compiled import call_step
 from cachelife.enabling import pool_of
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
 from cachelife.pinning import prepare_static_cache
@@ -103,15 +104,19 @@ def decode(
         step = _compiled_steps(model) if compile_step else _decode_n_tokens
         finished = torch.zeros(batch, 1, dtype=torch.bool, device=model.device)
         token, finished = _select(first_logits, noise.next()[0], finished, how)
-        tokens, produced, checked_at = [token], 1, 0
+        tokens, produced, checked_at, calls = [token], 1, 0, 0
         while produced < max_new_tokens:
             if produced - checked_at >= stop_check_every and eos.numel():
                 checked_at = produced
                 if bool(finished.all()):
                     break
-            new, finished = step(
-                model, token, finished, noise.next(), how=how, step_inputs=step_inputs, steps=steps_per_call
-            )
+            # Guards are checked in full on the first two calls: the first token's strides differ from the
+            # later ones', which are all alike.
+            new, finished = call_step(
+                step, calls < 2, model, token, finished, noise.next(), how=how, step_inputs=step_inputs,
+                steps=steps_per_call,
+            )  # fmt: skip
+            calls += 1
             # CUDA-graph outputs are overwritten by the next replay: keep copies.
             new, finished = new.clone(), finished.clone()
             token = new[:, -1:]

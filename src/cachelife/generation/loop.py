@@ -27,6 +27,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from cachelife.call_arguments import cache_argument_name
 from cachelife.compile_cache import pinned_compile_cache
+from cachelife.compiled import call_step
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
@@ -185,7 +186,7 @@ def _run(step: Callable[[], None], is_running: Callable[[], torch.Tensor], steps
             checked_at = produced
             if not bool(is_running()):
                 return
-        step()
+        call_step(step, produced == 0)  # every call passes the first call's objects
         produced += settings.steps_per_call
 
 
