@@ -167,6 +167,8 @@ def measure(args: argparse.Namespace, device: torch.device, batch: int) -> dict[
     built = zoo.build(args.model, device=device, dtype=getattr(torch, args.dtype))
     model = built.model
     model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly N tokens
+    # The step's kernels are the model's: the real config's suppress lists (processors) are not decode's.
+    model.generation_config.suppress_tokens = model.generation_config.begin_suppress_tokens = None
     inputs = built.inputs(batch, LENGTH, 1)
     cachelife.enable(model)
     weight_bytes = step_weight_bytes(model, inputs)
