@@ -11,7 +11,8 @@ forced BOS/EOS; `--beams N` overrides num_beams, 0 keeps the config's), every pa
 tokens (`min_new_tokens = max_new_tokens = N`):
 - `eager`: `generate`, dynamic cache;
 - `auto`: transformers' auto-compile (`compile_config`, static cache);
-- `forward`: `generate` with a compiled forward (`reduce-overhead` on CUDA) and `cachelife.enable`;
+- `forward`: `generate` with a compiled forward (`reduce-overhead` on CUDA, casts rounded as eager rounds them:
+  inductor's `emulate_precision_casts`, as in cachelife.generate's step) and `cachelife.enable`;
 - `cachelife`: `cachelife.generate`, once per `--steps-per-call` value (with `--full-guards`, once more
   each with dynamo's guards checked in full on every step call, as before cachelife skipped them on repeats).
 Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
@@ -106,7 +107,8 @@ def paths(
     if "forward" in wanted:
         forward = cachelife.enable(build(name, args.tiny, device, dtype).model)
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        cachelife.compile_forward(forward, mode=mode, fullgraph=True)
+        # Rounded at every cast as eager rounds, as cachelife.generate's step is: the bf16 reference.
+        cachelife.compile_forward(forward, mode=mode, fullgraph=True, options={"emulate_precision_casts": True})
         static: dict[str, Any] = {"cache_implementation": "static"}
         runs["forward"] = (
             lambda n: as_tokens(forward.generate(**inputs, **settings_for(name, args.beams, n), **static)),

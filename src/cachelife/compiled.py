@@ -39,12 +39,18 @@ def compile_forward(
     fullgraph: bool = False,
     backend: str | Callable[..., Any] = "inductor",
     dynamic: bool | None = None,
+    options: dict[str, object] | None = None,
 ) -> Callable[..., Any]:
     """Compile the model's eager forward with `torch.compile(..., mode=, fullgraph=, backend=, dynamic=)`,
     install it as `model.forward` and return it. Compiling again replaces the earlier compiled forward (it
-    does not wrap it); `restore_forward` undoes it."""
+    does not wrap it); `restore_forward` undoes it. `options` (inductor options) are added to the mode's,
+    which torch.compile does not take together: `options={"emulate_precision_casts": True}` rounds at every
+    cast as eager does, as `cachelife.generate`'s step does."""
+    settings: dict[str, Any] = {"mode": mode}
+    if options is not None:
+        settings = {"options": {**torch._inductor.list_mode_options(mode or "default"), **options}}
     compiled: Callable[..., Any] = torch.compile(
-        eager_forward(model), mode=mode, fullgraph=fullgraph, backend=backend, dynamic=dynamic
+        eager_forward(model), fullgraph=fullgraph, backend=backend, dynamic=dynamic, **settings
     )
     # What `model.forward = compiled` does (nn.Module.__setattr__ stores a plain callable in the instance
     # dict), without assigning to a method, which type checkers rightly question.
