@@ -385,3 +385,30 @@ def test_compile_forward_installs_one_compiled_forward_and_restore_forward_undoe
     assert "forward" not in model.__dict__
     assert model.forward == eager
     assert not is_compiled(model.forward)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        (None, {"emulate_precision_casts": True}),
+        ("reduce-overhead", {"triton.cudagraphs": True, "emulate_precision_casts": True}),
+    ],
+)
+def test_compile_forward_adds_options_to_the_modes_own(
+    mode: str | None, expected: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.compile takes a mode or options, not both: options are merged with what the mode sets."""
+    model = zoo.build("llama").model
+    seen: list[dict[str, Any]] = []
+
+    def fake_compile(function: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return function
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cachelife.compile_forward(model, mode=mode, options={"emulate_precision_casts": True})
+    cachelife.compile_forward(model, mode=mode)
+    assert seen[0]["options"] == expected
+    assert "mode" not in seen[0]
+    assert seen[1]["mode"] == mode
+    assert "options" not in seen[1]
