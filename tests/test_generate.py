@@ -21,6 +21,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 import cachelife
 from cachelife import zoo
 from cachelife.errors import UnsupportedGenerationError
+from cachelife.generation import states
 
 ENCODER_DECODER = ["t5", "bart", "marian", "whisper"]
 ALL = [*ENCODER_DECODER, "llama"]
@@ -312,6 +313,31 @@ def test_whisper_long_form_and_streamers_fall_back() -> None:
         cachelife.generate(
             built.model, fallback=False, assistant_model=built.model, **inputs_of(built), max_new_tokens=4
         )
+
+
+def test_state_buffers_are_kept_for_the_most_recent_shapes_only() -> None:
+    built = build("t5")
+    model = cachelife.enable(built.model)
+
+    def call(batch: int) -> torch.Tensor:
+        inputs = built.inputs(batch, 9, 1)
+        got = tokens(cachelife.generate(model, compile_step=False, fallback=False, **inputs, max_new_tokens=4))
+        assert torch.equal(got, zoo.generate_tokens(model, inputs, max_new_tokens=4))
+        return got
+
+    call(1)
+    first_keys = set(states.kept_keys(model))
+    assert len(first_keys) == 3  # greedy state, encoder output, encoder mask
+    for batch in range(2, 11):  # 9 more shapes, 3 keys each: more than KEPT
+        call(batch)
+        assert len(states.kept_keys(model)) <= states.KEPT
+    kept = states.kept_keys(model)
+    assert len(kept) == states.KEPT
+    assert not first_keys & set(kept)  # the least recently used went first
+    call(10)  # the newest shape again: its buffers are reused, nothing is added or dropped
+    assert set(states.kept_keys(model)) == set(kept)
+    call(1)  # an evicted shape gets new buffers and the same tokens
+    assert first_keys <= set(states.kept_keys(model))
 
 
 # -- compiled ----------------------------------------------------------------------------------------------

@@ -32,12 +32,12 @@ from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.processors import tensor_processors, unsupported_processor
+from cachelife.generation.states import pooled_state, static_copy
 
 logger = logging.getLogger(__name__)
 
 StepFunction = Callable[..., None]
 _COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, StepFunction]] = weakref.WeakKeyDictionary()
-_STATES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[object, ...], object]] = weakref.WeakKeyDictionary()
 
 
 @frozen
@@ -124,14 +124,14 @@ def _prefill(
     if model.config.is_encoder_decoder:
         # The encoder output and its mask, copied into pooled static buffers: the same addresses every step
         # and every call of this shape (no copy into the graph, no CUDA-graph re-recording).
-        hidden = _static_copy(model, "encoder output", model_kwargs["encoder_outputs"][0])
+        hidden = static_copy(model, "encoder output", model_kwargs["encoder_outputs"][0])
         cache = cachelife.prepare_static_cache(
             model, batch_size=rows, max_cache_len=cache_length, encoder_length=int(hidden.shape[1]), pool=pool
         )
         model_kwargs["encoder_outputs"] = step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
         mask = model_kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
-            model_kwargs["attention_mask"] = step_inputs["attention_mask"] = _static_copy(model, "encoder mask", mask)
+            model_kwargs["attention_mask"] = step_inputs["attention_mask"] = static_copy(model, "encoder mask", mask)
     else:
         cache = cachelife.prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
     for stale in ("cache", "past_key_values"):
@@ -143,31 +143,8 @@ def _prefill(
     return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32)
 
 
-def _static_copy(model: PreTrainedModel, role: str, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` copied into this model's pooled static buffer of its role, shape and dtype."""
-
-    def make() -> torch.Tensor:
-        buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        torch._dynamo.mark_static_address(buffer)
-        return buffer
-
-    buffer = _pooled_state(model, (role, tuple(tensor.shape), tensor.dtype, tensor.device), make)
-    if not isinstance(buffer, torch.Tensor):
-        msg = f"pooled {role} buffer is a {type(buffer).__name__}, expected a tensor"
-        raise UnsupportedGenerationError(msg)
-    return buffer.copy_(tensor)
-
-
 def _input_name(model: PreTrainedModel) -> str:
     return "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
-
-
-def _pooled_state(model: PreTrainedModel, key: tuple[object, ...], make: Callable[[], object]) -> object:
-    """The state buffers of an earlier call with the same key (same addresses), or new ones."""
-    states = _STATES.setdefault(model, {})
-    if key not in states:
-        states[key] = make()
-    return states[key]
 
 
 def _compiled(model: PreTrainedModel, name: str, function: StepFunction) -> StepFunction:
@@ -305,7 +282,7 @@ def _greedy(
         return GreedyState.allocate(rows, width, device), noise
 
     key = ("greedy", rows, width, vocab, spc)
-    pooled = _pooled_state(model, key, make)
+    pooled = pooled_state(model, key, make)
     if not isinstance(pooled, tuple) or not isinstance(pooled[0], GreedyState):
         msg = f"pooled greedy state for {key!r} is a {type(pooled).__name__}, expected (GreedyState, noise)"
         raise UnsupportedGenerationError(msg)
@@ -376,7 +353,7 @@ def _beam_search(
     pad, eos_ids = _special_tokens(config, "_pad_token_tensor"), _special_tokens(config, "_eos_token_tensor")
     fill = int(pad or eos_ids[0] if eos_ids is not None else -1)  # `_beam_search`'s output_fill_value, as written
     key = ("beams", plan.batch, beams, plan.width)
-    state = _pooled_state(model, key, lambda: BeamState.allocate(plan, device))
+    state = pooled_state(model, key, lambda: BeamState.allocate(plan, device))
     if not isinstance(state, BeamState):
         msg = f"pooled beam state for {key!r} is a {type(state).__name__}, expected BeamState"
         raise UnsupportedGenerationError(msg)
