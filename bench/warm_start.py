@@ -1,10 +1,12 @@
 """Warm starts: the first call of a fresh process with a cold, a shared and a carried compile cache.
 
-    python -m bench.warm_start [--device cuda|cpu] [--models t5-small] [--paths generate,decode]
+    python -m bench.warm_start [--device cuda|cpu] [--models t5-small]
+                               [--paths generate,decode,cachelife-generate]
                                [--dtype float32] [--new-tokens 32]
 
 For each model and path (`generate`: an enabled model with a compiled forward, `mode="reduce-overhead"` on a
-GPU; `decode`: `cachelife.decode`, 1 step per call), three fresh processes, one after another:
+GPU; `decode`: `cachelife.decode`, 1 step per call; `cachelife-generate`: `cachelife.generate` with the
+model's own generation config, 1 step per call), three fresh processes, one after another:
 - `empty_dir`: an empty TORCHINDUCTOR_CACHE_DIR (the first deployment); after warm-up it saves
   `cachelife.save_compile_artifacts`;
 - `shared_dir`: a second process on the same directory (a restart on the same machine);
@@ -57,11 +59,7 @@ def child(args: argparse.Namespace) -> None:
     model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly new_tokens
     inputs = built.inputs(BATCH, LENGTH, 1)
     cachelife.enable(model)
-    call = (
-        _generate_call(model, inputs, args.new_tokens)
-        if args.path == "generate"
-        else _decode_call(model, inputs, args.new_tokens)
-    )
+    call = PATHS[args.path](model, inputs, args.new_tokens)
     first_s, tokens = timed(device, call)
     second_s, _ = timed(device, call)
     saved: dict[str, Any] | None = None
@@ -91,6 +89,26 @@ def _generate_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) 
 def _decode_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
     """`cachelife.decode`, one compiled step per call."""
     return lambda: decode(model, inputs, max_new_tokens=new_tokens)
+
+
+def _cachelife_generate_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
+    """`cachelife.generate` with the model's generation config, one compiled step per call."""
+
+    def call() -> torch.Tensor:
+        out = cachelife.generate(model, fallback=False, **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        if not isinstance(out, torch.Tensor):
+            msg = f"cachelife.generate returned a {type(out).__name__}, expected tokens"
+            raise TypeError(msg)
+        return out
+
+    return call
+
+
+PATHS: dict[str, Callable[[PreTrainedModel, zoo.Inputs, int], Callable[[], torch.Tensor]]] = {
+    "generate": _generate_call,
+    "decode": _decode_call,
+    "cachelife-generate": _cachelife_generate_call,
+}
 
 
 def run_role(role: str, args: argparse.Namespace, model: str, path: str, folder: Path) -> dict[str, Any]:
@@ -124,7 +142,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--models", default="t5-small")
-    parser.add_argument("--paths", default="generate", help="generate, decode or both, comma-separated")
+    parser.add_argument("--paths", default="generate", help=f"any of {', '.join(PATHS)}, comma-separated")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", default=DEFAULT_OUT)
