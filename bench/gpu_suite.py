@@ -12,7 +12,9 @@ transformers; each writes its JSON to --out/<stage>).
 track i runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first
 track (put the timed benchmarks there) has a GPU of its own. Writes `gpu-summary.json` (outcomes, recipe
 reports and CUDA-graph counters per version; rewritten after every stage) and `gpu-logs.tar.gz` (every
-log) to --out (default: $OUT, else bench/results/gpu).
+log) to --out (default: $OUT, else bench/results/gpu). `--time-limit SECONDS` ends the suite in time for a
+machine's per-command limit: a benchmark still running then is killed and its log kept, later stages are
+recorded as not run.
 """
 
 from __future__ import annotations
@@ -354,22 +356,28 @@ BENCHES = {
 }  # fmt: skip
 
 
-def run_bench(stage: str, found: dict[str, str], work: Path, out: Path) -> dict[str, Any]:
-    """One benchmark, with the newest transformers; it writes its own JSON to `out`."""
+def run_bench(stage: str, found: dict[str, str], work: Path, out: Path, deadline: float | None) -> dict[str, Any]:
+    """One benchmark, with the newest transformers; it writes its own JSON to `out`. Past `deadline`
+    (time.monotonic()) it is killed, and its log is kept with the others."""
     version, path = newest(found)
     log = work / f"bench-{stage}.log"
     started = time.monotonic()
+    returncode: int | str
     with log.open("w") as sink:
-        done = subprocess.run(
-            [sys.executable, "-m", *BENCHES[stage], "--out", str(out / stage)],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=environment(path),
-            cwd=ROOT,
-            check=False,
-        )
+        try:
+            returncode = subprocess.run(
+                [sys.executable, "-m", *BENCHES[stage], "--out", str(out / stage)],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=environment(path),
+                cwd=ROOT,
+                check=False,
+                timeout=None if deadline is None else max(1.0, deadline - time.monotonic()),
+            ).returncode
+        except subprocess.TimeoutExpired:
+            returncode = "killed at the suite's time limit"
     tail = log.read_text(errors="replace").splitlines()[-15:]
-    return {"transformers": version, "returncode": done.returncode, "seconds": time.monotonic() - started, "tail": tail}
+    return {"transformers": version, "returncode": returncode, "seconds": time.monotonic() - started, "tail": tail}
 
 
 def multidevice(found: dict[str, str], work: Path) -> dict[str, Any]:
@@ -418,7 +426,7 @@ def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: ar
         "compile-cache": lambda: compile_cache_skips(found, work),
         "multidevice": lambda: multidevice(found, work),
         "tp": lambda: tensor_parallel(found, work, out),
-        **{name: functools.partial(run_bench, name, found, work, out) for name in BENCHES},
+        **{name: functools.partial(run_bench, name, found, work, out, args.deadline) for name in BENCHES},
     }
     if stage not in stages:
         msg = f"unknown stage {stage!r}; known: {', '.join(stages)}"
@@ -433,7 +441,11 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
     parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
     parser.add_argument("--health-parallel", type=int, default=10, help="health processes at a time")
+    parser.add_argument(
+        "--time-limit", type=float, help="seconds: benchmarks still running then are killed, later stages not run"
+    )
     args = parser.parse_args()
+    args.deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tracks = [track.split(",") for track in args.stages.split("/")]
@@ -463,6 +475,11 @@ def main() -> int:
             _TRACK.gpu = str(min(index, gpus - 1)) if gpus > 1 and len(tracks) > 1 else ""
             for stage in stages:
                 started = time.monotonic()
+                if args.deadline is not None and started >= args.deadline:
+                    with lock:
+                        summary[stage.replace("-", "_")] = {"not_run": "the suite's time limit had passed"}
+                        write_summary()
+                    continue
                 try:
                     result = run_stage(stage, found, work, out, args)
                 except Exception as error:  # a broken stage is recorded; the others go on
