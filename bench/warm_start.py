@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 import cachelife
 from bench.child import run_child
+from bench.generate import as_tokens
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
 from cachelife import zoo
@@ -93,15 +94,8 @@ def _decode_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) ->
 
 def _cachelife_generate_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
     """`cachelife.generate` with the model's generation config, one compiled step per call."""
-
-    def call() -> torch.Tensor:
-        out = cachelife.generate(model, fallback=False, **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        if not isinstance(out, torch.Tensor):
-            msg = f"cachelife.generate returned a {type(out).__name__}, expected tokens"
-            raise TypeError(msg)
-        return out
-
-    return call
+    settings: dict[str, Any] = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    return lambda: as_tokens(cachelife.generate(model, fallback=False, **inputs, **settings))
 
 
 PATHS: dict[str, Callable[[PreTrainedModel, zoo.Inputs, int], Callable[[], torch.Tensor]]] = {
