@@ -35,6 +35,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from bench.child import run_child
 from bench.decode_loop import first_divergence
+from bench.models import for_decode
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
 from cachelife import zoo
@@ -93,9 +94,8 @@ def child(args: argparse.Namespace) -> None:
         setattr(torch._inductor.config, option, value)
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
-    built = zoo.build(args.model, device=device, dtype=dtype)
+    built = for_decode(args.model, device=device, dtype=dtype)
     model = built.model
-    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly N tokens
     inputs = built.inputs(args.batch_size, LENGTH, 1)
     cachelife.enable(model)
 

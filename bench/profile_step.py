@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import PreTrainedModel
 
 import cachelife
+from bench.models import for_decode
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
 from cachelife import zoo
@@ -164,11 +165,8 @@ def floors(groups: dict[str, Any], weight_bytes: int, kv_bytes: int, bandwidth: 
 
 def measure(args: argparse.Namespace, device: torch.device, batch: int) -> dict[str, Any]:
     torch._dynamo.reset()
-    built = zoo.build(args.model, device=device, dtype=getattr(torch, args.dtype))
+    built = for_decode(args.model, device=device, dtype=getattr(torch, args.dtype))
     model = built.model
-    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly N tokens
-    # The step's kernels are the model's: the real config's suppress lists (processors) are not decode's.
-    model.generation_config.suppress_tokens = model.generation_config.begin_suppress_tokens = None
     inputs = built.inputs(batch, LENGTH, 1)
     cachelife.enable(model)
     weight_bytes = step_weight_bytes(model, inputs)

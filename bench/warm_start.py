@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 import cachelife
 from bench.child import run_child
 from bench.generate import as_tokens
+from bench.models import for_decode
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
 from cachelife import zoo
@@ -55,9 +56,8 @@ def child(args: argparse.Namespace) -> None:
         cachelife.load_compile_artifacts(args.artifacts)
         load_s = time.perf_counter() - started
     device = pick_device(args.device)
-    built = zoo.build(args.model, device=device, dtype=getattr(torch, args.dtype))
+    built = for_decode(args.model, device=device, dtype=getattr(torch, args.dtype))
     model = built.model
-    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly new_tokens
     inputs = built.inputs(BATCH, LENGTH, 1)
     cachelife.enable(model)
     call = PATHS[args.path](model, inputs, args.new_tokens)
