@@ -16,6 +16,8 @@ from transformers import PreTrainedModel
 # The attribute torch.compile's wrapper carries: the callable it compiles.
 _ORIGINAL = "_torchdynamo_orig_callable"
 
+# What torch.compile's `options=` takes.
+InductorOptions = dict[str, str | int | bool | Callable[..., Any]]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -39,16 +41,14 @@ def compile_forward(
     fullgraph: bool = False,
     backend: str | Callable[..., Any] = "inductor",
     dynamic: bool | None = None,
-    options: dict[str, object] | None = None,
+    options: InductorOptions | None = None,
 ) -> Callable[..., Any]:
     """Compile the model's eager forward with `torch.compile(..., mode=, fullgraph=, backend=, dynamic=)`,
     install it as `model.forward` and return it. Compiling again replaces the earlier compiled forward (it
     does not wrap it); `restore_forward` undoes it. `options` (inductor options) are added to the mode's,
     which torch.compile does not take together: `options={"emulate_precision_casts": True}` rounds at every
     cast as eager does, as `cachelife.generate`'s step does."""
-    settings: dict[str, Any] = {"mode": mode}
-    if options is not None:
-        settings = {"options": {**torch._inductor.list_mode_options(mode or "default"), **options}}
+    settings: dict[str, Any] = {"mode": mode} if options is None else {"options": mode_with(mode, options)}
     compiled: Callable[..., Any] = torch.compile(
         eager_forward(model), fullgraph=fullgraph, backend=backend, dynamic=dynamic, **settings
     )
@@ -56,6 +56,12 @@ def compile_forward(
     # dict), without assigning to a method, which type checkers rightly question.
     model.__dict__["forward"] = compiled
     return compiled
+
+
+def mode_with(mode: str | None, options: InductorOptions) -> InductorOptions:
+    """The inductor options of `mode` with `options` added: what `torch.compile(options=...)` takes for both,
+    since it refuses a mode and options together."""
+    return {**torch._inductor.list_mode_options(mode or "default"), **options}
 
 
 def restore_forward(model: PreTrainedModel) -> None:

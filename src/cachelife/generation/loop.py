@@ -27,7 +27,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from cachelife.call_arguments import cache_argument_name
 from cachelife.compile_cache import pinned_compile_cache
-from cachelife.compiled import call_step
+from cachelife.compiled import call_step, mode_with
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
@@ -154,7 +154,7 @@ def _compiled(model: PreTrainedModel, name: str, function: StepFunction) -> Step
         # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
         # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
-        options = {**torch._inductor.list_mode_options(mode), "emulate_precision_casts": True}
+        options = mode_with(mode, {"emulate_precision_casts": True})
         functions[name] = torch.compile(function, fullgraph=True, options=options)
     return functions[name]
 
