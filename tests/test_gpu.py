@@ -27,6 +27,8 @@ from cachelife import zoo
 from cachelife.buffers import PinSpec
 from cachelife.call_arguments import cache_argument_name
 from cachelife.errors import CompiledRegionError
+from cachelife.generation.graphs import graphs_of
+from cachelife.generation.loop import CudaGraphs
 from cachelife.guard import DecodingGuard
 from cachelife.recipe import CudaGraphHealth
 
@@ -201,10 +203,12 @@ GENERATE_CASES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("cuda_graphs", ["cachelife", "torch"])
 @pytest.mark.parametrize("name", sorted(GENERATE_CASES))
-def test_cachelife_generate_is_graph_captured_and_equals_generate(name: str) -> None:
-    """`cachelife.generate` with CUDA graphs (fp32): tokens equal eager `generate` on three calls at 1 and 2
-    steps per call, no CUDA-graph skip, and no re-record or new graph after each setting's first call."""
+def test_cachelife_generate_is_graph_captured_and_equals_generate(name: str, cuda_graphs: CudaGraphs) -> None:
+    """`cachelife.generate` with CUDA graphs (fp32), cachelife's own or torch's cudagraph trees: tokens equal
+    eager `generate` on three calls at 1 and 2 steps per call and on a call of another length, no CUDA-graph
+    skip, and no capture, re-record or new graph after each setting's first call."""
     built = zoo.build(name, device="cuda")
     config = built.model.generation_config
     if name == "whisper":
@@ -214,15 +218,31 @@ def test_cachelife_generate_is_graph_captured_and_equals_generate(name: str) -> 
     model = cachelife.enable(built.model)
     inputs = built.inputs(2, 9, 1)
     settings = GENERATE_CASES[name]
-    expected = zoo.generate_tokens(model, inputs, **settings)
+    shorter = {**settings, "max_new_tokens": int(settings["max_new_tokens"]) - 3}
+    expected, expected_shorter = (
+        zoo.generate_tokens(model, inputs, **settings),
+        zoo.generate_tokens(model, inputs, **shorter),
+    )
     start = CudaGraphHealth.now()
+    record = graphs_of(model)
     for steps in (1, 2):
         calls = []
         for index in range(3):
-            calls.append(cachelife.generate(model, fallback=False, steps_per_call=steps, **inputs, **settings))
+            calls.append(
+                cachelife.generate(
+                    model, fallback=False, steps_per_call=steps, cuda_graphs=cuda_graphs, **inputs, **settings
+                )
+            )
             if index == 0:
-                after_first = CudaGraphHealth.now()
+                after_first, captures = CudaGraphHealth.now(), record.captures
+        other_length = cachelife.generate(
+            model, fallback=False, steps_per_call=steps, cuda_graphs=cuda_graphs, **inputs, **shorter
+        )
         assert all(isinstance(out, torch.Tensor) and torch.equal(out, expected) for out in calls), (steps, calls)
+        assert isinstance(other_length, torch.Tensor)
+        assert torch.equal(other_length, expected_shorter), steps
         end = CudaGraphHealth.now()
         assert (end.rerecords, end.graphs) == (after_first.rerecords, after_first.graphs), (steps, end)
+        assert record.captures == captures, steps
+        assert captures == (steps if cuda_graphs == "cachelife" else 0), captures
     assert end.cudagraph_skips == start.cudagraph_skips

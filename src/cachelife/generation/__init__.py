@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
-from cachelife.generation.loop import LoopSettings, decoding_method, fall_back
+from cachelife.generation.loop import CudaGraphs, LoopSettings, decoding_method, fall_back
 
 
 def generate(
@@ -28,24 +28,32 @@ def generate(
     stop_check_every: int = 8,
     compile_step: bool = True,
     generator: torch.Generator | None = None,
+    cuda_graphs: CudaGraphs = "cachelife",
     **kwargs: Any,
 ) -> torch.Tensor | ModelOutput:
     """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
     whatever `model.generate(**kwargs)` returns).
 
-    `steps_per_call` decoding steps run per call of the compiled function; the host checks for the end every
-    `stop_check_every` steps; `compile_step=False` runs the same step function eagerly; `generator` (a
-    `torch.Generator` on the model's device) seeds sampling (exponential race; tokens are reproducible, not
-    equal to `generate`'s multinomial draws; without one, a generator seeded from torch's global RNG).
+    `steps_per_call` decoding steps run per replay of the step's CUDA graph (per call of the compiled function
+    without one); the host checks for the end every `stop_check_every` steps; `compile_step=False` runs the
+    same step function eagerly; `generator` (a `torch.Generator` on the model's device) seeds sampling
+    (exponential race; tokens are reproducible, not equal to `generate`'s multinomial draws; without one, a
+    generator seeded from torch's global RNG). On a CUDA device, `cuda_graphs="cachelife"` captures
+    `steps_per_call` calls of a one-step compiled function in one CUDA graph and replays it
+    (`cachelife.generation.graphs`); `"torch"` compiles a `steps_per_call`-step function in torch's
+    "reduce-overhead" mode (cudagraph trees) instead.
     """
     if min(steps_per_call, stop_check_every) < 1:
         msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
+        raise ValueError(msg)
+    if cuda_graphs not in ("cachelife", "torch"):
+        msg = f"cuda_graphs must be 'cachelife' or 'torch', got {cuda_graphs!r}"
         raise ValueError(msg)
     feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
     if feature is not None:
         fall_back(feature, fallback)
         return model.generate(**kwargs)
-    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator)
+    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs)
     called: list[bool] = []
     output = _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True))))
     if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself

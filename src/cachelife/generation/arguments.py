@@ -15,6 +15,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
+from cachelife.errors import UnsupportedGenerationError
+
 # Arguments of `generate` whose presence (with a value that is not None, empty or False) asks for a
 # feature that cachelife.generate leaves to transformers.
 FALLBACK_ARGUMENTS: tuple[str, ...] = (
@@ -117,3 +119,52 @@ def unsupported_config(config: GenerationConfig, assistant: object = None) -> st
         if getattr(config, name, None) not in _NEUTRAL_CONFIG[name]:
             return name
     return None
+
+
+# -- fields of the generation config `generate` hands the decoding method ------------------------------------
+
+
+def eos_ids(config: GenerationConfig) -> torch.Tensor | None:
+    """The end-of-sequence ids `generate` resolved, as a 1-D long tensor, or None."""
+    eos = special_tokens(config, "_eos_token_tensor")
+    return None if eos is None else eos.view(-1).to(torch.long)
+
+
+def special_tokens(config: GenerationConfig, name: str) -> torch.Tensor | None:
+    """A special-token tensor `generate` sets on its config (`_prepare_special_tokens`): not a field a fresh
+    `GenerationConfig` has, so it is read by name."""
+    value = getattr(config, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _resolved(config: GenerationConfig, name: str) -> object:
+    """A field `generate` has filled with its default by the time it calls the decoding method."""
+    value = getattr(config, name)
+    if value is None:
+        msg = f"generate called cachelife's decoding method with generation_config.{name} unset; expected a value"
+        raise UnsupportedGenerationError(msg)
+    return value
+
+
+def float_field(config: GenerationConfig, name: str) -> float:
+    value = _resolved(config, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"generation_config.{name} must be a number here, got {value!r}"
+        raise UnsupportedGenerationError(msg)
+    return float(value)
+
+
+def early_stopping(config: GenerationConfig) -> bool | str:
+    value = _resolved(config, "early_stopping")
+    if not isinstance(value, bool | str):
+        msg = f"generation_config.early_stopping must be True, False or 'never', got {value!r}"
+        raise UnsupportedGenerationError(msg)
+    return value
+
+
+def int_field(config: GenerationConfig, name: str) -> int:
+    value = _resolved(config, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"generation_config.{name} must be an int here, got {value!r}"
+        raise UnsupportedGenerationError(msg)
+    return value

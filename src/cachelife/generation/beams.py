@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 
 from cachelife.generation.processors import TensorProcessor
 
@@ -34,8 +34,9 @@ class BeamPlan:
     batch: int
     beams: int
     keep: int  # candidates kept per step: max(2, 1 + number of end tokens) * beams
-    prompt_length: int  # host only; the step reads `prompt`
-    max_length: int  # host only; the step reads `limit`
+    # Host only (the step reads `prompt` and `limit`), so not part of a captured graph's key (`graphs`).
+    prompt_length: int = field(metadata={"host_only": True})
+    max_length: int = field(metadata={"host_only": True})
     width: int  # columns of the state buffers: max_length rounded up (`buffer_width`)
     prompt: torch.Tensor  # 0-dim long
     limit: torch.Tensor  # 0-dim long: max_length

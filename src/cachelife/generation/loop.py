@@ -11,10 +11,11 @@ decoding has ended, and once at the end.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from attrs import frozen
@@ -29,7 +30,9 @@ from cachelife.call_arguments import cache_argument_name
 from cachelife.compile_cache import pinned_compile_cache
 from cachelife.compiled import call_step, mode_with
 from cachelife.errors import UnsupportedGenerationError
+from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
+from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.processors import tensor_processors, unsupported_processor
 from cachelife.generation.states import pooled_state, static_copy
@@ -37,7 +40,8 @@ from cachelife.generation.states import pooled_state, static_copy
 logger = logging.getLogger(__name__)
 
 StepFunction = Callable[..., None]
-_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, StepFunction]] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str], StepFunction]] = weakref.WeakKeyDictionary()
+CudaGraphs = Literal["cachelife", "torch"]
 
 
 @frozen
@@ -49,6 +53,7 @@ class LoopSettings:
     compile_step: bool
     fallback: bool
     generator: torch.Generator | None
+    cuda_graphs: CudaGraphs = "cachelife"
 
 
 def fall_back(feature: str, fallback: bool) -> None:
@@ -96,7 +101,7 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
                 raise UnsupportedGenerationError(msg)
             return result
         with pinned_compile_cache():
-            search = _beam_search if _int_field(generation_config, "num_beams") > 1 else _greedy
+            search = _beam_search if int_field(generation_config, "num_beams") > 1 else _greedy
             return search(
                 model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
                 model_kwargs=model_kwargs,
@@ -147,99 +152,92 @@ def _input_name(model: PreTrainedModel) -> str:
     return "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
 
 
-def _compiled(model: PreTrainedModel, name: str, function: StepFunction) -> StepFunction:
+def _compiled(model: PreTrainedModel, name: str, function: StepFunction, mode: str) -> StepFunction:
     functions = _COMPILED.setdefault(model, {})
-    if name not in functions:
-        mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+    if (name, mode) not in functions:
         # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
         # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
         options = mode_with(mode, {"emulate_precision_casts": True})
-        functions[name] = torch.compile(function, fullgraph=True, options=options)
-    return functions[name]
+        functions[name, mode] = torch.compile(function, fullgraph=True, options=options)
+    return functions[name, mode]
 
 
-def _run(step: Callable[[], None], is_running: Callable[[], torch.Tensor], steps: int, settings: LoopSettings) -> None:
-    """Call `step` (settings.steps_per_call steps each) until `steps` steps ran or decoding ended."""
+# (index of the call within a graph, steps, settings) -> the step function's keyword arguments
+Arguments = Callable[[int, int, Any], dict[str, Any]]
+
+
+def _stepper(
+    model: PreTrainedModel,
+    name: str,
+    function: StepFunction,
+    arguments: Arguments,
+    *,
+    in_place: object,
+    read_only: object,
+    settings: LoopSettings,
+) -> Callable[[], int]:
+    """A function that runs the next decoding steps and returns how many it ran: replays of a graph that
+    cachelife captured (CUDA, `cuda_graphs="cachelife"`), or calls of the step compiled with `steps_per_call`
+    steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly."""
+    spc, device = settings.steps_per_call, model.device
+    if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
+        one_step = _compiled(model, name, function, "default")
+        graphed = GraphedSteps(
+            model, name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
+            read_only, device,
+        )  # fmt: skip
+        return graphed.advance
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    step = _compiled(model, name, function, mode) if settings.compile_step else function
+    calls = itertools.count()
+
+    def advance() -> int:
+        call_step(step, next(calls) == 0, **arguments(0, spc, read_only))  # every call passes the first call's objects
+        return spc
+
+    return advance
+
+
+def _run(
+    advance: Callable[[], int], is_running: Callable[[], torch.Tensor], steps: int, settings: LoopSettings
+) -> None:
+    """Run steps (`advance` says how many it ran) until `steps` steps ran or decoding ended."""
     produced, checked_at = 0, 0
     while produced < steps:
         if produced - checked_at >= settings.stop_check_every:
             checked_at = produced
             if not bool(is_running()):
                 return
-        call_step(step, produced == 0)  # every call passes the first call's objects
-        produced += settings.steps_per_call
-
-
-def _eos(config: GenerationConfig) -> torch.Tensor | None:
-    eos = _special_tokens(config, "_eos_token_tensor")
-    return None if eos is None else eos.view(-1).to(torch.long)
-
-
-def _special_tokens(config: GenerationConfig, name: str) -> torch.Tensor | None:
-    """A special-token tensor `generate` sets on its config (`_prepare_special_tokens`): not a field a fresh
-    `GenerationConfig` has, so it is read by name."""
-    value = getattr(config, name, None)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _resolved(config: GenerationConfig, name: str) -> object:
-    """A field `generate` has filled with its default by the time it calls the decoding method."""
-    value = getattr(config, name)
-    if value is None:
-        msg = f"generate called cachelife's decoding method with generation_config.{name} unset; expected a value"
-        raise UnsupportedGenerationError(msg)
-    return value
-
-
-def _float_field(config: GenerationConfig, name: str) -> float:
-    value = _resolved(config, name)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        msg = f"generation_config.{name} must be a number here, got {value!r}"
-        raise UnsupportedGenerationError(msg)
-    return float(value)
-
-
-def _early_stopping(config: GenerationConfig) -> bool | str:
-    value = _resolved(config, "early_stopping")
-    if not isinstance(value, bool | str):
-        msg = f"generation_config.early_stopping must be True, False or 'never', got {value!r}"
-        raise UnsupportedGenerationError(msg)
-    return value
-
-
-def _int_field(config: GenerationConfig, name: str) -> int:
-    value = _resolved(config, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"generation_config.{name} must be an int here, got {value!r}"
-        raise UnsupportedGenerationError(msg)
-    return value
+        produced += advance()
 
 
 # -- greedy search and sampling ----------------------------------------------------------------------------
 
 
 class _Noise:
-    """Exponential noise for one call's steps from the caller's generator, in one static buffer (ones,
-    unused, for greedy search)."""
+    """Exponential noise for the steps of one call of the step from the caller's generator, one static
+    buffer per step (ones, unused, for greedy search)."""
 
-    def __init__(self, buffer: torch.Tensor, generator: torch.Generator | None) -> None:
-        self.buffer = buffer
+    def __init__(self, buffers: tuple[torch.Tensor, ...], generator: torch.Generator | None) -> None:
+        self.buffers = buffers
         self.generator = generator
         if generator is None:
-            buffer.fill_(1.0)
+            for buffer in buffers:
+                buffer.fill_(1.0)
 
-    def next(self) -> torch.Tensor:
+    def refresh(self) -> tuple[torch.Tensor, ...]:
         if self.generator is not None:
-            self.buffer.exponential_(generator=self.generator)
-        return self.buffer
+            for buffer in self.buffers:
+                buffer.exponential_(generator=self.generator)
+        return self.buffers
 
 
 def greedy_steps(
     model: PreTrainedModel,
     state: GreedyState,
     *,
-    noise: torch.Tensor,
+    noise: Sequence[torch.Tensor],
     choice: Choice,
     step_inputs: dict[str, Any],
     steps: int,
@@ -261,13 +259,13 @@ def _greedy(
     model_kwargs: dict[str, Any],
 ) -> torch.Tensor:
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
-    max_length = _int_field(config, "max_length")
+    max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
     width = buffer_width(max_length)
     step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, width + spc)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
-    eos = _eos(config)
-    pad_tensor = _special_tokens(config, "_pad_token_tensor")
+    eos = eos_ids(config)
+    pad_tensor = special_tokens(config, "_pad_token_tensor")
     choice = Choice(
         tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
         0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
@@ -276,9 +274,10 @@ def _greedy(
     if config.do_sample and generator is None:
         generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
 
-    def make() -> tuple[GreedyState, torch.Tensor]:
-        noise = torch.ones(spc, rows, vocab, device=device)
-        torch._dynamo.mark_static_address(noise)
+    def make() -> tuple[GreedyState, tuple[torch.Tensor, ...]]:
+        noise = tuple(torch.ones(rows, vocab, device=device) for _ in range(spc))
+        for buffer in noise:
+            torch._dynamo.mark_static_address(buffer)
         return GreedyState.allocate(rows, width, device), noise
 
     key = ("greedy", rows, width, vocab, spc)
@@ -286,20 +285,27 @@ def _greedy(
     if not isinstance(pooled, tuple) or not isinstance(pooled[0], GreedyState):
         msg = f"pooled greedy state for {key!r} is a {type(pooled).__name__}, expected (GreedyState, noise)"
         raise UnsupportedGenerationError(msg)
-    state, noise_buffer = pooled[0], pooled[1]
-    noise = _Noise(noise_buffer, generator)
+    state, noise = pooled[0], _Noise(pooled[1], generator)
     state.start(input_ids, choice.pad)
-    choose_and_append(state, first_logits, noise.next()[0], choice)
-    step = _compiled(model, "greedy", greedy_steps) if settings.compile_step else greedy_steps
+    choose_and_append(state, first_logits, noise.refresh()[0], choice)
     name = _input_name(model)
-    _run(
-        lambda: step(
-            model, state, noise=noise.next(), choice=choice, step_inputs=step_inputs, steps=spc, input_name=name
-        ),
-        lambda: state.running(choice),
-        max_length - prompt_length - 1,
-        settings,
-    )
+
+    def arguments(index: int, steps: int, settings: Choice) -> dict[str, Any]:
+        return {
+            "model": model, "state": state, "noise": noise.buffers[index : index + steps], "choice": settings,
+            "step_inputs": step_inputs, "steps": steps, "input_name": name,
+        }  # fmt: skip
+
+    steps = _stepper(
+        model, "greedy", greedy_steps, arguments, in_place=(model, state, noise.buffers, step_inputs),
+        read_only=choice, settings=settings,
+    )  # fmt: skip
+
+    def advance() -> int:
+        noise.refresh()
+        return steps()
+
+    _run(advance, lambda: state.running(choice), max_length - prompt_length - 1, settings)
     tokens: torch.Tensor = state.tokens[:, : int(state.length)].clone()
     return tokens
 
@@ -338,20 +344,20 @@ def _beam_search(
     settings: LoopSettings,
     model_kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    beams = _int_field(config, "num_beams")
+    beams = int_field(config, "num_beams")
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
-    max_length = _int_field(config, "max_length")
+    max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
     step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, buffer_width(max_length) + spc)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
-    eos = _eos(config)
+    eos = eos_ids(config)
     plan = BeamPlan.make(
         tensor_processors(processors, vocab_size=vocab, device=device), eos, batch=rows // beams, beams=beams,
-        prompt_length=prompt_length, max_length=max_length, early_stopping=_early_stopping(config),
-        length_penalty=_float_field(config, "length_penalty"), device=device,
+        prompt_length=prompt_length, max_length=max_length, early_stopping=early_stopping(config),
+        length_penalty=float_field(config, "length_penalty"), device=device,
     )  # fmt: skip
-    pad, eos_ids = _special_tokens(config, "_pad_token_tensor"), _special_tokens(config, "_eos_token_tensor")
-    fill = int(pad or eos_ids[0] if eos_ids is not None else -1)  # `_beam_search`'s output_fill_value, as written
+    pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
+    fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
     key = ("beams", plan.batch, beams, plan.width)
     state = pooled_state(model, key, lambda: BeamState.allocate(plan, device))
     if not isinstance(state, BeamState):
@@ -360,14 +366,17 @@ def _beam_search(
     state.start(input_ids, plan, fill)
     layers = _self_attention_layers(step_inputs[cache_argument_name(model)])
     beam_step(state, first_logits, plan)
-    step = _compiled(model, "beams", beam_steps) if settings.compile_step else beam_steps
     name = _input_name(model)
-    _run(
-        lambda: step(
-            model, state, plan=plan, step_inputs=step_inputs, steps=spc, input_name=name, self_attention=layers
-        ),
-        lambda: state.running,
-        max_length - prompt_length - 1,
-        settings,
-    )
-    return beam_output(state, plan, _int_field(config, "num_return_sequences"))
+
+    def arguments(index: int, steps: int, settings: BeamPlan) -> dict[str, Any]:
+        return {
+            "model": model, "state": state, "plan": settings, "step_inputs": step_inputs, "steps": steps,
+            "input_name": name, "self_attention": layers,
+        }  # fmt: skip
+
+    advance = _stepper(
+        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers), read_only=plan,
+        settings=settings,
+    )  # fmt: skip
+    _run(advance, lambda: state.running, max_length - prompt_length - 1, settings)
+    return beam_output(state, plan, int_field(config, "num_return_sequences"))

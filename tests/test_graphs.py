@@ -1,0 +1,174 @@
+"""cachelife's own graphs of the decoding step (`cachelife.generation.graphs`), on the CPU.
+
+A stand-in for `torch.cuda.CUDAGraph` records the captured calls and replays them with the objects of the
+call that captured them, as a CUDA graph replays with the addresses it captured. A later `generate` call
+that reuses the graph must therefore pass the same buffers and have its settings' values copied into the
+captured ones, or its tokens differ from `generate`'s: these tests check the graph keys, the reuse and the
+copying where no GPU is. `test_gpu.py` runs the real capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import cachelife
+from cachelife import zoo
+from cachelife.generation import graphs, loop
+from cachelife.generation.graphs import graphs_of
+
+NEW = 12
+
+
+class Recorded:
+    """Replays the recorded calls; counts its replays."""
+
+    def __init__(self, calls: Callable[[], None]) -> None:
+        self.calls = calls
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.calls()
+
+
+RECORDED: list[Recorded] = []
+
+
+def record(warm_up: Callable[[], None], calls: Callable[[], None], device: torch.device, pool: object) -> Recorded:
+    warm_up()
+    RECORDED.append(Recorded(calls))
+    return RECORDED[-1]
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Graphs captured on the CPU by the stand-in; the step runs eagerly unless a test compiles it."""
+    monkeypatch.setattr(graphs, "capture", record)
+    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(loop, "_compiled", lambda model, name, function, mode: function)
+    RECORDED.clear()
+    yield
+    RECORDED.clear()
+
+
+def whisper() -> zoo.ZooModel:
+    built = zoo.build("whisper")
+    zoo.whisper_tiny_generation(built.model.generation_config)
+    cachelife.enable(built.model)  # its pool lends each call the same cache buffers: the graph's addresses
+    return built
+
+
+def bart() -> zoo.ZooModel:
+    built = zoo.build("bart")
+    config = built.model.generation_config
+    config.eos_token_id = config.forced_eos_token_id = None  # the tiny BART would end every sequence at once
+    cachelife.enable(built.model)
+    return built
+
+
+def check(built: zoo.ZooModel, *, steps: int = 1, **settings: Any) -> torch.Tensor:
+    """cachelife.generate's tokens, checked equal to generate's."""
+    inputs = built.inputs(2, 9, 1)
+    got = cachelife.generate(built.model, fallback=False, steps_per_call=steps, **inputs, **settings)
+    assert isinstance(got, torch.Tensor)
+    expected = zoo.generate_tokens(built.model, inputs, **settings)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert torch.equal(got, expected), settings
+    return got
+
+
+WHISPER: dict[str, Any] = {
+    "max_new_tokens": NEW, "language": "de", "task": "translate", "no_repeat_ngram_size": 2,
+    "repetition_penalty": 1.3, "min_new_tokens": 4, "bad_words_ids": [[5], [6, 7]],
+}  # fmt: skip
+
+
+@pytest.mark.usefixtures("recorded")
+def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
+    built = whisper()
+    record = graphs_of(built.model)
+    for steps in (1, 3):
+        free = check(built, steps=steps, **WHISPER)
+        captured = record.captures
+        replays = sum(graph.replays for graph in RECORDED)
+        check(built, steps=steps, **WHISPER)
+        # Other values of the same settings, copied into the captured ones: a stale copy would show in the tokens
+        # (a 0-dim max_length the last replay runs past: 1 + 3 + 3 + 3 steps for 8; a banned token it produced).
+        check(built, steps=steps, **{**WHISPER, "max_new_tokens": NEW - 4})
+        banned = check(built, steps=steps, **{**WHISPER, "bad_words_ids": [[int(free[0, -3])], [9, 10]]})
+        assert not torch.equal(banned, free)
+        assert record.captures == captured
+        assert sum(graph.replays for graph in RECORDED) > replays
+    assert record.captures == 2  # one graph per steps_per_call
+    check(built, **{**WHISPER, "repetition_penalty": None})  # another processor list: another graph
+    assert record.captures == 3
+
+
+@pytest.mark.usefixtures("recorded")
+def test_beam_graph_is_reused_across_lengths() -> None:
+    built = bart()
+    record = graphs_of(built.model)
+    settings: dict[str, Any] = {
+        "max_new_tokens": NEW, "num_beams": 3, "num_return_sequences": 2, "length_penalty": 2.0,
+        "no_repeat_ngram_size": 2, "early_stopping": True,
+    }  # fmt: skip
+    for steps in (1, 3):
+        check(built, steps=steps, **settings)
+        captured = record.captures
+        check(built, steps=steps, **{**settings, "max_new_tokens": NEW - 4, "length_penalty": 0.5})
+        check(built, steps=steps, **{**settings, "early_stopping": "never"})  # a constant: another graph
+        assert record.captures == captured + 1
+    assert all(graph.replays > 0 for graph in RECORDED)
+
+
+@pytest.mark.usefixtures("recorded")
+def test_other_buffers_get_their_own_graph_and_old_graphs_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graphs, "KEPT", 2)
+    first, second = whisper(), whisper()
+    check(first, max_new_tokens=NEW)
+    check(second, max_new_tokens=NEW)  # other parameters and caches: not the first model's graph
+    assert (graphs_of(first.model).captures, graphs_of(second.model).captures) == (1, 1)
+    for rows in (1, 3):  # other shapes: other state buffers
+        inputs = first.inputs(rows, 9, 1)
+        got = cachelife.generate(first.model, fallback=False, max_new_tokens=NEW, **inputs)
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, zoo.generate_tokens(first.model, inputs, max_new_tokens=NEW))
+    assert graphs_of(first.model).captures == 3
+    assert len(graphs_of(first.model).graphs) == 2
+
+
+@pytest.mark.usefixtures("recorded")
+def test_sampling_in_graphs_is_reproducible_and_draws_as_without_graphs() -> None:
+    built = whisper()
+    inputs = built.inputs(2, 9, 1)
+    settings: dict[str, Any] = {"max_new_tokens": NEW, "do_sample": True, "temperature": 1.5}
+
+    def sample(seed: int = 7, **more: Any) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        out = cachelife.generate(built.model, fallback=False, generator=generator, **inputs, **settings, **more)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    graphed = sample()
+    assert graphs_of(built.model).captures == 1
+    assert torch.equal(sample(), graphed)
+    assert torch.equal(sample(compile_step=False), graphed)  # no graph, the same draws at one step per call
+    assert not torch.equal(sample(seed=8), graphed)  # the draws matter: not greedy in disguise
+
+
+@pytest.mark.slow
+def test_compiled_step_in_recorded_graphs_equals_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-step compiled function (inductor) that cachelife's graphs capture, for greedy and beams."""
+    monkeypatch.setattr(graphs, "capture", record)
+    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    torch._dynamo.reset()
+    built = whisper()
+    for steps in (1, 2):
+        check(built, steps=steps, **WHISPER)
+        check(built, steps=steps, **{**WHISPER, "max_new_tokens": NEW - 3})
+    check(built, steps=2, **WHISPER, num_beams=3)
+    assert graphs_of(built.model).captures == 3
