@@ -3,6 +3,7 @@
     python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base]
                              [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0]
                              [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife] [--full-guards]
+                             [--cuda-graphs cachelife,torch] [--trees-steps-per-call 1]
                              [--repeats 3] [--tiny] [--out DIR] [--tag NAME]
 
 For each model and batch size, in one process, on the same inputs and the model's own generation config
@@ -13,14 +14,17 @@ tokens (`min_new_tokens = max_new_tokens = N`):
 - `auto`: transformers' auto-compile (`compile_config`, static cache);
 - `forward`: `generate` with a compiled forward (`reduce-overhead` on CUDA, casts rounded as eager rounds them:
   inductor's `emulate_precision_casts`, as in cachelife.generate's step) and `cachelife.enable`;
-- `cachelife`: `cachelife.generate`, once per `--steps-per-call` value (with `--full-guards`, once more
-  each with dynamo's guards checked in full on every step call, as before cachelife skipped them on repeats).
+- `cachelife`: `cachelife.generate`, once per `--steps-per-call` value and `--cuda-graphs` value
+  (`cachelife_spcN`: cachelife's own CUDA graphs; `cachelife_trees_spcN`: torch's cudagraph trees, only at
+  the `--trees-steps-per-call` values, since each compiles an N-step function; with
+  `--full-guards`, the trees once more with dynamo's guards checked in full on every step call, as before
+  cachelife skipped them on repeats).
 Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
 `--repeats`), first-call seconds (compilation included), GPU kernel ms per step (torch.profiler, CUDA only,
 measured the same marginal way), whether the tokens equal the reference (float32: eager `generate`; other
 dtypes: `generate` with the compiled forward, as compiled rounding differs from eager), and CUDA-graph skips,
-unexpected re-records and new dynamo graphs after the first calls (one per length: every max_length is
-its own compiled shape). `--tiny` swaps in the zoo's tiny models
+unexpected re-records and new dynamo graphs after the first calls, and graphs cachelife captured (all of
+them, and after the first calls). `--tiny` swaps in the zoo's tiny models
 with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag>]-<device>-<date>-tf<version>.json`.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import unittest.mock
@@ -42,6 +47,8 @@ from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
 from cachelife import zoo
 from cachelife.generation import loop
+from cachelife.generation.graphs import graphs_of
+from cachelife.generation.loop import CudaGraphs
 from cachelife.recipe import CudaGraphHealth, pick_device
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
@@ -115,19 +122,45 @@ def paths(
             "forward",
         )
     if "cachelife" in wanted:
-        ours = cachelife.enable(build(name, args.tiny, device, dtype).model)
-        for steps in (int(value) for value in args.steps_per_call.split(",")):
+        ours = _MODELS["cachelife"] = cachelife.enable(build(name, args.tiny, device, dtype).model)
+        trees_steps = {int(value) for value in args.trees_steps_per_call.split(",")}
+        for graphs, steps in itertools.product(graph_modes(args.cuda_graphs), map(int, args.steps_per_call.split(","))):
+            if graphs == "torch" and steps not in trees_steps:
+                continue
 
-            def run(n: int, steps: int = steps) -> torch.Tensor:
+            def run(n: int, steps: int = steps, graphs: CudaGraphs = graphs) -> torch.Tensor:
                 out = cachelife.generate(
-                    ours, fallback=False, steps_per_call=steps, **inputs, **settings_for(name, args.beams, n)
-                )
+                    ours, fallback=False, steps_per_call=steps, cuda_graphs=graphs, **inputs,
+                    **settings_for(name, args.beams, n),
+                )  # fmt: skip
                 return as_tokens(out)
 
-            runs[f"cachelife_spc{steps}"] = (run, "cachelife")
-            if args.full_guards:
-                runs[f"cachelife_spc{steps}_full_guards"] = (functools.partial(with_full_guards, run), "cachelife")
+            label = f"cachelife_spc{steps}" if graphs == "cachelife" else f"cachelife_trees_spc{steps}"
+            runs[label] = (run, "cachelife")
+            if args.full_guards and graphs == "torch":
+                runs[f"{label}_full_guards"] = (functools.partial(with_full_guards, run), "cachelife")
     return runs
+
+
+_MODES: dict[str, CudaGraphs] = {"cachelife": "cachelife", "torch": "torch"}
+
+
+def graph_modes(text: str) -> list[CudaGraphs]:
+    """`--cuda-graphs` values, checked."""
+    unknown = [value for value in text.split(",") if value not in _MODES]
+    if unknown:
+        msg = f"--cuda-graphs takes values of {sorted(_MODES)}, got {unknown}"
+        raise SystemExit(msg)
+    return [_MODES[value] for value in text.split(",")]
+
+
+_MODELS: dict[str, object] = {}
+
+
+def _captures(model_kind: str) -> int:
+    """Graphs cachelife captured so far for the model of that kind in this measurement (0 if none)."""
+    model = _MODELS.get(model_kind)
+    return 0 if model is None else graphs_of(model).captures
 
 
 def with_full_guards(run: Run, tokens: int) -> torch.Tensor:
@@ -147,11 +180,12 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
     short, long = (int(value) for value in args.tokens.split(","))
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, torch.Tensor] = {}
-    for path, (run, _) in paths(name, args, device, dtype, batch).items():
+    for path, (run, model_kind) in paths(name, args, device, dtype, batch).items():
         start = CudaGraphHealth.now()
         first_s, outputs[path] = timed(device, functools.partial(run, long))
-        run(short)  # a different max_length is a different compiled shape: compile it before timing
+        run(short)  # a different max_length may be a different compiled shape: compile it before timing
         after_first = CudaGraphHealth.now()
+        captured = _captures(model_kind)
         ms = marginal_ms(device, run, short, long, args.repeats)
         kernel = kernel_ms(device, run, short, long)
         end = CudaGraphHealth.now()
@@ -163,6 +197,8 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
             "cudagraph_skips": end.cudagraph_skips - start.cudagraph_skips,
             "rerecords_after_first_calls": end.rerecords - after_first.rerecords,
             "new_graphs_after_first_calls": end.graphs - after_first.graphs,
+            "cachelife_captures": _captures(model_kind),
+            "cachelife_captures_after_first_calls": _captures(model_kind) - captured,
         }
         print(json.dumps({"model": name, "batch": batch, "path": path, **results[path]}), flush=True)
     reference_path = "eager" if dtype == torch.float32 else "forward"
@@ -183,6 +219,10 @@ def main() -> int:
     parser.add_argument("--beams", type=int, default=0, help="num_beams for every model; 0 keeps each config's")
     parser.add_argument("--steps-per-call", default="1,4", help="cachelife.generate's steps_per_call values")
     parser.add_argument("--paths", default="eager,auto,forward,cachelife")
+    parser.add_argument(
+        "--cuda-graphs", default="cachelife,torch", help="cachelife.generate's cuda_graphs values (CUDA only)"
+    )
+    parser.add_argument("--trees-steps-per-call", default="1", help="steps_per_call values of the trees paths")
     parser.add_argument(
         "--full-guards", action="store_true", help="also time each cachelife path with every guard checked every call"
     )

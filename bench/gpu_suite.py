@@ -314,18 +314,20 @@ BENCHES = {
     "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small,llama-small"],
     # cachelife.generate on real checkpoints' shapes and generation configs (bf16). Whisper's decoder prompt is
     # 4 tokens, so 16 and 56 new tokens share cachelife's 64-column buffers (one compiled step per spc).
+    # cachelife's own graphs at several steps per call, and torch's cudagraph trees at one (`--trees-steps-per-call`).
     "generate-whisper": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4", "--full-guards", "--repeats", "3",
+        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4,8", "--repeats", "3",
     ],
     "generate-whisper-b8": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "8", "--dtype",
-        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "b8",
+        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4", "--paths", "auto,forward,cachelife",
+        "--repeats", "2", "--tag", "b8",
     ],
     "generate-whisper-beams": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,48", "--beams", "5", "--steps-per-call", "1,4", "--full-guards",
-        "--paths", "forward,cachelife", "--repeats", "2", "--tag", "beams5",
+        "bfloat16", "--tokens", "16,48", "--beams", "5", "--steps-per-call", "1,4", "--paths", "forward,cachelife",
+        "--repeats", "2", "--tag", "beams5",
     ],
     "generate-bart": [
         "bench.generate", "--device", "cuda", "--models", "bart-large-cnn", "--batches", "1,8", "--dtype",
