@@ -8,13 +8,14 @@ probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every ve
 under torchrun on the newest), and the benchmarks decode-loop, soak, decode, buckets and beams (newest
 transformers; each writes its JSON to --out/<stage>).
 
-`/` separates tracks that run at the same time, one after the other within a track; with several GPUs,
-track i runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first
-track (put the timed benchmarks there) has a GPU of its own. Writes `gpu-summary.json` (outcomes, recipe
-reports and CUDA-graph counters per version; rewritten after every stage) and `gpu-logs.tar.gz` (every
-log) to --out (default: $OUT, else bench/results/gpu). `--time-limit SECONDS` ends the suite in time for a
-machine's per-command limit: a benchmark still running then is killed and its log kept, later stages are
-recorded as not run.
+`/` separates tracks that run at the same time, one after the other within a track; with several GPUs, track i
+runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first track (put the
+timed benchmarks there) has a GPU of its own; each track's processes run on their own equal share of the CPUs,
+so that one track's compilations do not slow the host side of another's timings. Writes `gpu-summary.json`
+(outcomes, recipe reports and CUDA-graph counters per version; rewritten after every stage) and
+`gpu-logs.tar.gz` (every log) to --out (default: $OUT, else bench/results/gpu). `--time-limit SECONDS` ends the
+suite in time for a machine's per-command limit: a benchmark still running then is killed and its log kept,
+later stages are recorded as not run.
 """
 
 from __future__ import annotations
@@ -317,7 +318,8 @@ BENCHES = {
     # cachelife's own graphs at several steps per call, and torch's cudagraph trees at one (`--trees-steps-per-call`).
     "generate-whisper": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4,8", "--repeats", "3",
+        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4,8", "--paths", "auto,forward,cachelife",
+        "--repeats", "3",
     ],
     "generate-whisper-b8": [
         "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "8", "--dtype",
@@ -356,6 +358,15 @@ BENCHES = {
         "bfloat16",
     ],
 }  # fmt: skip
+
+
+def pin_track_cpus(index: int, tracks: int) -> None:
+    """With several tracks, the calling thread (and the processes it starts) on track `index`'s equal share
+    of the CPUs."""
+    if tracks > 1:
+        cpus = sorted(os.sched_getaffinity(0))
+        share = len(cpus) // tracks
+        os.sched_setaffinity(threading.get_native_id(), cpus[index * share : (index + 1) * share])
 
 
 def run_bench(stage: str, found: dict[str, str], work: Path, out: Path, deadline: float | None) -> dict[str, Any]:
@@ -475,6 +486,7 @@ def main() -> int:
 
         def run_track(index: int, stages: list[str]) -> None:
             _TRACK.gpu = str(min(index, gpus - 1)) if gpus > 1 and len(tracks) > 1 else ""
+            pin_track_cpus(index, len(tracks))
             for stage in stages:
                 started = time.monotonic()
                 if args.deadline is not None and started >= args.deadline:
