@@ -35,7 +35,6 @@ import functools
 import itertools
 import json
 import sys
-import time
 import unittest.mock
 from collections.abc import Callable
 from typing import Any
@@ -164,28 +163,6 @@ def _captures(model_kind: str) -> int:
     return 0 if model is None else graphs_of(model).captures
 
 
-def replay_cost(device: torch.device, model_kind: str, steps: int, replays: int = 50) -> dict[str, float]:
-    """The most recent graph cachelife captured, replayed `replays` times back to back outside the loop: GPU
-    ms per step (what the loop's ms per step would be with no host work at all) and host microseconds per
-    `replay()` call. Replaying after the call ended only rewrites state buffers the next call starts over."""
-    model = _MODELS.get(model_kind)
-    if device.type != "cuda" or model is None or not graphs_of(model).graphs:
-        return {}
-    graph = next(reversed(graphs_of(model).graphs.values())).graph
-    graph.replay()
-    torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    launched = time.perf_counter()
-    torch.cuda.synchronize(device)
-    ended = time.perf_counter()
-    return {
-        "graph_replay_ms_per_step": round((ended - started) * 1e3 / (replays * steps), 4),
-        "replay_launch_us": round((launched - started) * 1e6 / replays, 1),
-    }
-
-
 def with_full_guards(run: Run, tokens: int) -> torch.Tensor:
     """`run(tokens)` with dynamo checking every guard on every step call (`call_step` always told to), as
     before cachelife skipped them on repeat calls: the host time that skipping saves."""
@@ -222,7 +199,6 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
             "new_graphs_after_first_calls": end.graphs - after_first.graphs,
             "cachelife_captures": _captures(model_kind),
             "cachelife_captures_after_first_calls": _captures(model_kind) - captured,
-            **(replay_cost(device, model_kind, int(path.split("spc")[-1])) if path.startswith("cachelife_spc") else {}),
         }
         print(json.dumps({"model": name, "batch": batch, "path": path, **results[path]}), flush=True)
     reference_path = "eager" if dtype == torch.float32 else "forward"
