@@ -101,11 +101,15 @@ def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
         check(built, steps=steps, **{**WHISPER, "max_new_tokens": NEW - 4})
         banned = check(built, steps=steps, **{**WHISPER, "bad_words_ids": [[int(free[0, -3])], [9, 10]]})
         assert not torch.equal(banned, free)
+        stronger = check(built, steps=steps, **{**WHISPER, "min_new_tokens": 6, "repetition_penalty": 2.0})
+        assert not torch.equal(stronger, free)  # values held as 0-dim tensors: copied, not recompiled
         assert record.captures == captured
         assert sum(graph.replays for graph in RECORDED) > replays
     assert record.captures == 2  # one graph per steps_per_call
     check(built, **{**WHISPER, "repetition_penalty": None})  # another processor list: another graph
     assert record.captures == 3
+    check(built, **{**WHISPER, "no_repeat_ngram_size": 3})  # n shapes the step: another graph
+    assert record.captures == 4
 
 
 @pytest.mark.usefixtures("recorded")

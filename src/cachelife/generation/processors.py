@@ -84,7 +84,7 @@ class _NoEosBefore:
     """MinLength / MinNewTokensLength: -inf on the end tokens while `length - skip < minimum`."""
 
     eos: torch.Tensor
-    minimum: int
+    minimum: torch.Tensor  # 0-dim: so that calls with other minimums share one compiled step and graph
     skip: torch.Tensor  # 0-dim: the prompt length for min_new_tokens, 0 for min_length
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,7 @@ class _ForceAt:
 class _RepetitionPenalty:
     """RepetitionPenaltyLogitsProcessor on the tokens before `length` (and after `ignore`, per row)."""
 
-    penalty: float
+    penalty: torch.Tensor  # 0-dim float32 (as the scores): other penalties share one compiled step and graph
     ignore: torch.Tensor | None
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -212,10 +212,11 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
             begin = _scalar(int(processor.begin_index), device)
             return _SuppressAtBegin(_eos(processor.begin_suppress_tokens, device), begin)
         case lp.MinLengthLogitsProcessor():
-            return _NoEosBefore(_eos(processor.eos_token_id, device), processor.min_length, _scalar(0, device))
+            minimum = _scalar(processor.min_length, device)
+            return _NoEosBefore(_eos(processor.eos_token_id, device), minimum, _scalar(0, device))
         case lp.MinNewTokensLengthLogitsProcessor():
             eos, skip = _eos(processor.eos_token_id, device), _scalar(processor.prompt_length_to_skip, device)
-            return _NoEosBefore(eos, processor.min_new_tokens, skip)
+            return _NoEosBefore(eos, _scalar(processor.min_new_tokens, device), skip)
         case lp.ForcedBOSTokenLogitsProcessor():
             return _ForceAt(torch.tensor([processor.bos_token_id], device=device), _scalar(1, device))
         case lp.ForcedEOSTokenLogitsProcessor():
@@ -224,7 +225,8 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
             ignore = processor.prompt_ignore_length
             if isinstance(ignore, int):
                 ignore = torch.tensor([ignore], device=device)
-            return _RepetitionPenalty(processor.penalty, None if ignore is None else ignore.to(device))
+            penalty = torch.tensor(processor.penalty, dtype=torch.float32, device=device)
+            return _RepetitionPenalty(penalty, None if ignore is None else ignore.to(device))
         case lp.NoRepeatNGramLogitsProcessor():
             return _NoRepeatNGram(processor.ngram_size)
         case lp.SequenceBiasLogitsProcessor():  # NoBadWordsLogitsProcessor included
