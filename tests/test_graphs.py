@@ -9,6 +9,7 @@ copying where no GPU is. `test_gpu.py` runs the real capture.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -176,3 +177,19 @@ def test_compiled_step_in_recorded_graphs_equals_generate(monkeypatch: pytest.Mo
         check(built, steps=steps, **{**WHISPER, "max_new_tokens": NEW - 3})
     check(built, steps=2, **WHISPER, num_beams=3)
     assert graphs_of(built.model).captures == 3
+
+
+@pytest.mark.usefixtures("recorded")
+def test_a_model_without_pool_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    built = zoo.build("t5")
+    with caplog.at_level(logging.WARNING, logger="cachelife"):
+        for _ in range(2):
+            check(built, max_new_tokens=NEW)
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("cachelife")]
+    assert len(warnings) == 1
+    assert "is not enabled" in warnings[0]
+    cachelife.enable(built.model)
+    check(built, max_new_tokens=NEW)
+    captured = graphs_of(built.model).captures
+    check(built, max_new_tokens=NEW)
+    assert graphs_of(built.model).captures == captured  # the pool's buffers: the same addresses, the same graph

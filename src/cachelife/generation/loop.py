@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 StepFunction = Callable[..., None]
 _COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str], StepFunction]] = weakref.WeakKeyDictionary()
 CudaGraphs = Literal["cachelife", "torch"]
+_WARNED_NO_POOL: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
 
 
 @frozen
@@ -182,6 +183,13 @@ def _stepper(
     steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly."""
     spc, device = settings.steps_per_call, model.device
     if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
+        if cachelife.pool_of(model) is None and model not in _WARNED_NO_POOL:
+            _WARNED_NO_POOL.add(model)
+            logger.warning(
+                "cachelife.generate: %s is not enabled (no cache pool), so its caches get new addresses on every "
+                "call and every call captures a new CUDA graph; call cachelife.enable(model) once",
+                type(model).__name__,
+            )
         one_step = _compiled(model, name, function, "default")
         graphed = GraphedSteps(
             model, name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
