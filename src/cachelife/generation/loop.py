@@ -3,10 +3,11 @@
 transformers' `generate` prepares everything (generation config, special tokens, encoder outputs, the
 decoder prompt, beam expansion, lengths, the processor list) and calls this module's decoding method in
 place of `_sample` / `_beam_search`. It builds pinned static caches and static state buffers before anything
-compiled runs, prefills eagerly (transformers' `_prefill`), picks the first token eagerly, then runs
-`steps_per_call` decoding steps per call of one compiled function (forward, processors, token choice or beam
-bookkeeping, cache reorder): the host reads the device only every `stop_check_every` steps, to see whether
-decoding has ended, and once at the end.
+compiled runs, prefills eagerly (transformers' `_prefill`), picks the first token eagerly, then runs the
+decoding steps in one compiled function (forward, processors, token choice or beam bookkeeping, cache
+reorder): on CUDA `steps_per_call` calls of it per replay of a CUDA graph cachelife captured (`graphs`), else
+(or with `cuda_graphs="torch"`) `steps_per_call` steps per call of it. The host reads the device only every
+`stop_check_every` steps, to see whether decoding has ended, and once at the end.
 """
 
 from __future__ import annotations
