@@ -7,11 +7,13 @@ enabled model's hooks and `generate` find it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 from transformers import PreTrainedModel
+
+from cachelife.errors import InvalidArgumentError
 
 # The attribute torch.compile's wrapper carries: the callable it compiles.
 _ORIGINAL = "_torchdynamo_orig_callable"
@@ -62,6 +64,36 @@ def mode_with(mode: str | None, options: InductorOptions) -> InductorOptions:
     """The inductor options of `mode` with `options` added: what `torch.compile(options=...)` takes for both,
     since it refuses a mode and options together."""
     return {**torch._inductor.list_mode_options(mode or "default"), **options}
+
+
+# Inductor options a decoding loop's step sets itself: CUDA graphs come from `cuda_graphs=`, and casts are
+# rounded as eager rounds them so that tokens equal a compiled forward's.
+OWNED_OPTIONS = {
+    "triton.cudagraphs": "CUDA graphs are chosen with cuda_graphs=",
+    "emulate_precision_casts": "the step rounds every cast as eager does, so that its tokens equal a forward's",
+}
+
+
+def checked_options(options: Mapping[str, object] | None) -> InductorOptions:
+    """`options` (a user's inductor options for a compiled step) as `torch.compile(options=)` takes them:
+    names `torch._inductor.list_options()` knows, values of str, int or bool, none of `OWNED_OPTIONS`.
+    Raises `InvalidArgumentError` naming the first that is not."""
+    if options is None:
+        return {}
+    known = set(torch._inductor.list_options())
+    checked: InductorOptions = {}
+    for name, value in options.items():
+        if name not in known:
+            msg = f"compile_options: {name!r} is not an inductor option (torch._inductor.list_options())"
+            raise InvalidArgumentError(msg)
+        if name in OWNED_OPTIONS:
+            msg = f"compile_options: {name!r} is set by cachelife ({OWNED_OPTIONS[name]}), got {value!r}"
+            raise InvalidArgumentError(msg)
+        if not isinstance(value, str | int | bool):
+            msg = f"compile_options: {name!r} takes a str, int or bool here, got {type(value).__name__} {value!r}"
+            raise InvalidArgumentError(msg)
+        checked[name] = value
+    return checked
 
 
 def restore_forward(model: PreTrainedModel) -> None:

@@ -10,12 +10,14 @@ beam search (`beams`) run inside one compiled step on pinned caches. What it doe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from cachelife.compiled import checked_options
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
 from cachelife.generation.loop import CudaGraphs, LoopSettings, decoding_method, fall_back
 
@@ -29,6 +31,7 @@ def generate(
     compile_step: bool = True,
     generator: torch.Generator | None = None,
     cuda_graphs: CudaGraphs = "cachelife",
+    compile_options: Mapping[str, str | int | bool] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | ModelOutput:
     """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
@@ -41,7 +44,9 @@ def generate(
     generator seeded from torch's global RNG). On a CUDA device, `cuda_graphs="cachelife"` captures
     `steps_per_call` calls of a one-step compiled function in one CUDA graph and replays it
     (`cachelife.generation.graphs`); `"torch"` compiles a `steps_per_call`-step function in torch's
-    "reduce-overhead" mode (cudagraph trees) instead.
+    "reduce-overhead" mode (cudagraph trees) instead. `compile_options` are inductor options added to the
+    step's compilation (`torch.compile(options=)`; each set of options compiles its own step), for example
+    `{"max_autotune_gemm": True}`; README.md's "Faster kernels" says which ones were measured to help.
     """
     if min(steps_per_call, stop_check_every) < 1:
         msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
@@ -49,11 +54,12 @@ def generate(
     if cuda_graphs not in ("cachelife", "torch"):
         msg = f"cuda_graphs must be 'cachelife' or 'torch', got {cuda_graphs!r}"
         raise ValueError(msg)
+    options = checked_options(compile_options)
     feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
     if feature is not None:
         fall_back(feature, fallback)
         return model.generate(**kwargs)
-    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs)
+    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options)
     called: list[bool] = []
     output = _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True))))
     if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself

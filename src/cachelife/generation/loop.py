@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
@@ -29,7 +29,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from cachelife.call_arguments import cache_argument_name
 from cachelife.compile_cache import pinned_compile_cache
-from cachelife.compiled import call_step, mode_with
+from cachelife.compiled import InductorOptions, call_step, mode_with
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
@@ -41,7 +41,9 @@ from cachelife.generation.states import pooled_state, static_copy
 logger = logging.getLogger(__name__)
 
 StepFunction = Callable[..., None]
-_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str], StepFunction]] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str], StepFunction]] = (
+    weakref.WeakKeyDictionary()
+)
 CudaGraphs = Literal["cachelife", "torch"]
 _WARNED_NO_POOL: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
 
@@ -56,6 +58,7 @@ class LoopSettings:
     fallback: bool
     generator: torch.Generator | None
     cuda_graphs: CudaGraphs = "cachelife"
+    compile_options: InductorOptions = field(factory=dict)  # as cachelife.compiled.checked_options returns them
 
 
 def fall_back(feature: str, fallback: bool) -> None:
@@ -154,15 +157,18 @@ def _input_name(model: PreTrainedModel) -> str:
     return "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
 
 
-def _compiled(model: PreTrainedModel, name: str, function: StepFunction, mode: str) -> StepFunction:
+def _compiled(
+    model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions
+) -> StepFunction:
     functions = _COMPILED.setdefault(model, {})
-    if (name, mode) not in functions:
+    key = (name, mode, repr(sorted(extra.items())))
+    if key not in functions:
         # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
         # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
-        options = mode_with(mode, {"emulate_precision_casts": True})
-        functions[name, mode] = torch.compile(function, fullgraph=True, options=options)
-    return functions[name, mode]
+        options = mode_with(mode, {**extra, "emulate_precision_casts": True})
+        functions[key] = torch.compile(function, fullgraph=True, options=options)
+    return functions[key]
 
 
 # (index of the call within a graph, steps, settings) -> the step function's keyword arguments
@@ -191,14 +197,14 @@ def _stepper(
                 "call and every call captures a new CUDA graph; call cachelife.enable(model) once",
                 type(model).__name__,
             )
-        one_step = _compiled(model, name, function, "default")
+        one_step = _compiled(model, name, function, "default", settings.compile_options)
         graphed = GraphedSteps(
             model, name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
             read_only, device,
         )  # fmt: skip
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    step = _compiled(model, name, function, mode) if settings.compile_step else function
+    step = _compiled(model, name, function, mode, settings.compile_options) if settings.compile_step else function
     calls = itertools.count()
 
     def advance() -> int:

@@ -1,0 +1,63 @@
+"""`cachelife.generate(compile_options=...)`: inductor options reach the compiled step (its own compilation,
+tokens unchanged), and bad options are refused before anything runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import cachelife
+from cachelife import zoo
+from cachelife.errors import InvalidArgumentError
+from cachelife.generation import loop
+
+
+def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = zoo.build("t5")
+    inputs = built.inputs(2, 9, 1)
+    expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=10)
+    compiled_with: list[dict[str, Any]] = []
+    real_compile = torch.compile
+
+    def recording_compile(function: Any, **kwargs: Any) -> Any:
+        compiled_with.append(kwargs["options"])
+        return real_compile(function, **kwargs)
+
+    monkeypatch.setattr(loop.torch, "compile", recording_compile)
+    plain = cachelife.generate(built.model, fallback=False, **inputs, max_new_tokens=10)
+    tuned = cachelife.generate(
+        built.model, fallback=False, compile_options={"epilogue_fusion": False}, **inputs, max_new_tokens=10
+    )
+    again = cachelife.generate(
+        built.model, fallback=False, compile_options={"epilogue_fusion": False}, **inputs, max_new_tokens=10
+    )
+    for out in (plain, tuned, again):
+        assert isinstance(out, torch.Tensor)
+        assert torch.equal(out, expected)
+    assert len(compiled_with) == 2, "one step per set of options, compiled once each"
+    assert "epilogue_fusion" not in compiled_with[0] or compiled_with[0]["epilogue_fusion"] is True
+    assert compiled_with[1]["epilogue_fusion"] is False
+    assert all(options["emulate_precision_casts"] is True for options in compiled_with)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_autotune_gemms": True}, "'max_autotune_gemms' is not an inductor option"),
+        ({"triton.cudagraphs": True}, "'triton.cudagraphs' is set by cachelife (CUDA graphs are chosen with"),
+        ({"emulate_precision_casts": False}, "'emulate_precision_casts' is set by cachelife"),
+        ({"max_autotune_gemm": [True]}, "'max_autotune_gemm' takes a str, int or bool here, got list [True]"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_runs(
+    options: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = zoo.build("t5")
+    calls: list[object] = []
+    monkeypatch.setattr(type(built.model), "generate", lambda *args, **kwargs: calls.append(args))
+    with pytest.raises(InvalidArgumentError) as raised:
+        cachelife.generate(built.model, compile_options=options, **built.inputs(2, 9, 1), max_new_tokens=4)
+    assert message in str(raised.value)
+    assert calls == [], "generate ran although the options were refused"
