@@ -343,19 +343,19 @@ BENCHES = {
     # Each preset list runs its own baseline: correctness is judged against the baseline of the same run.
     "levers-a": [
         "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
-        "baseline,combo_kernels",
+        "baseline,attention_math,attention_flash,freezing",
     ],
     "levers-b": [
         "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
-        "baseline,coordinate_descent,max_autotune_gemm",
+        "baseline,coordinate_descent,combo_kernels,max_autotune_gemm",
     ],
     "warm-start": [
         "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "generate,decode", "--dtype",
         "bfloat16",
     ],
     "warm-start-whisper": [
-        "bench.warm_start", "--device", "cuda", "--models", "whisper-large-v3", "--paths", "decode", "--dtype",
-        "bfloat16",
+        "bench.warm_start", "--device", "cuda", "--models", "whisper-large-v3", "--paths", "cachelife-generate",
+        "--dtype", "bfloat16",
     ],
 }  # fmt: skip
 

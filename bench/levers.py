@@ -1,57 +1,86 @@
-"""Levers on the decode step's kernel time: inductor option presets, each alone and together.
+"""Levers on the decode step's kernel time: inductor options and attention kernels, each alone and together.
 
     python -m bench.levers [--device cuda|cpu] [--model whisper-small] [--batch-size 1]
-                           [--dtypes bfloat16,float32] [--presets baseline,...] [--tokens 128]
+                           [--dtypes bfloat16,float32] [--presets baseline,...] [--tokens 128] [--logits]
 
-Each preset runs in a fresh process (inductor options never leak from one to the next) with an empty
-TORCHINDUCTOR_CACHE_DIR, so its first call is a full compilation. In it, `cachelife.decode` (one compiled
-step per call, CUDA graphs on a GPU) gives: the first call (seconds, compilation included), the marginal wall
-time per step and, on CUDA, the GPU kernel time and kernel count per step ((long run - short run) / steps,
-profiled, as bench/decode_loop.py measures them), and the first `--tokens` greedy tokens of the long run.
-Correctness against the baseline preset of the same dtype: the tokens must be equal in float32; in other
-dtypes the fraction of equal tokens, and the largest logit difference over `--tokens` steps of a compiled
-forward (the same preset) fed the baseline's tokens (teacher forcing, so every preset sees the same inputs).
+Each preset runs in a fresh process (nothing compiled or set leaks from one to the next) with an empty
+TORCHINDUCTOR_CACHE_DIR, so its first call is a full compilation. In it, `cachelife.generate` (the model's
+own generation config, exactly N new tokens, 1 step per CUDA graph replay, `compile_options=` the preset's
+inductor options, inside `torch.nn.attention.sdpa_kernel(...)` where the preset picks attention kernels)
+gives: the first call (seconds, compilation included), the marginal wall time per step and, on CUDA, the GPU
+kernel time and kernel count per step ((long run - short run) / steps, profiled), and the first `--tokens`
+tokens of the long run. Correctness against the baseline preset of the same dtype: the tokens must be equal
+in float32; in other dtypes the fraction of equal tokens and, with `--logits`, the largest logit difference
+over `--tokens` steps of a compiled forward (the same preset) fed the baseline's tokens (teacher forcing,
+so every preset sees the same inputs; it costs each preset a second compilation).
 
-Presets (torch._inductor.config): baseline (defaults); max_autotune_gemm (GEMM templates autotuned, CUDA
-graphs kept as decode sets them); coordinate_descent (coordinate_descent_tuning); combo_kernels;
-no_epilogue_fusion (epilogue_fusion off: the default is on, so this measures what it gives); together
-(max_autotune_gemm + coordinate_descent + combo_kernels). Writes
+Presets: baseline (defaults); max_autotune_gemm (GEMM templates autotuned); coordinate_descent
+(coordinate_descent_tuning); combo_kernels; freezing (weights as constants: folds them and concatenates the
+weights of projections of one input without biases, or all with biases, into one matrix product);
+attention_math / attention_flash (SDPA restricted to the math kernels, which inductor fuses, or to flash and
+memory-efficient attention, where the default picks cuDNN on an H200); together (the four inductor presets).
+Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from attrs import frozen
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 import cachelife
 from bench.child import run_child
 from bench.decode_loop import first_divergence
-from bench.models import for_decode
+from bench.generate import as_tokens, build, settings_for
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
 from cachelife import zoo
 from cachelife.call_arguments import cache_argument_name
-from cachelife.decode import decode
+from cachelife.compiled import InductorOptions
 from cachelife.recipe import pick_device
 
 LENGTH = 48
-PRESETS: dict[str, dict[str, bool]] = {
-    "baseline": {},
-    "max_autotune_gemm": {"max_autotune_gemm": True},
-    "coordinate_descent": {"coordinate_descent_tuning": True},
-    "combo_kernels": {"combo_kernels": True},
-    "no_epilogue_fusion": {"epilogue_fusion": False},
-    "together": {"max_autotune_gemm": True, "coordinate_descent_tuning": True, "combo_kernels": True},
+
+
+@frozen
+class Preset:
+    options: dict[str, bool | int | str]
+    attention: tuple[SDPBackend, ...] = ()  # empty: SDPA picks as by default
+
+
+PRESETS: dict[str, Preset] = {
+    "baseline": Preset({}),
+    "max_autotune_gemm": Preset({"max_autotune_gemm": True}),
+    "coordinate_descent": Preset({"coordinate_descent_tuning": True}),
+    "combo_kernels": Preset({"combo_kernels": True}),
+    "freezing": Preset({"freezing": True}),
+    "attention_math": Preset({}, (SDPBackend.MATH,)),
+    "attention_flash": Preset({}, (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
+    "together": Preset(
+        {"max_autotune_gemm": True, "coordinate_descent_tuning": True, "combo_kernels": True, "freezing": True}
+    ),
 }
+
+
+@contextlib.contextmanager
+def attention_of(preset: Preset) -> Iterator[None]:
+    if not preset.attention:
+        yield
+        return
+    with sdpa_kernel(list(preset.attention), set_priority=True):
+        yield
 
 
 def kernel_profile(device: torch.device, run: Any, short: int, long: int) -> dict[str, float] | None:
@@ -62,11 +91,14 @@ def kernel_profile(device: torch.device, run: Any, short: int, long: int) -> dic
     return {"kernel_ms_per_step": round(measured[0], 4), "kernels_per_step": round(measured[1], 2)}
 
 
-def teacher_forced_logits(model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor) -> torch.Tensor:
+def teacher_forced_logits(
+    model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor, preset: Preset
+) -> torch.Tensor:
     """Logits (steps, batch, vocab) of the model's compiled forward fed `tokens` one at a time on a pinned
     cache: every preset sees the same inputs, so the differences are the compiled numerics alone."""
     mode = "reduce-overhead" if model.device.type == "cuda" else None
-    cachelife.compile_forward(model, mode=mode, fullgraph=True)
+    options: InductorOptions = {**preset.options, "emulate_precision_casts": True}  # as generate's step compiles
+    cachelife.compile_forward(model, mode=mode, fullgraph=True, options=options)
     key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
     batch, steps = int(tokens.shape[0]), int(tokens.shape[1]) - 1
     logits = []
@@ -89,36 +121,42 @@ def teacher_forced_logits(model: PreTrainedModel, inputs: zoo.Inputs, tokens: to
 
 
 def child(args: argparse.Namespace) -> None:
-    """One fresh process: set the preset's inductor options, then time and check `cachelife.decode`."""
-    for option, value in PRESETS[args.child].items():
-        setattr(torch._inductor.config, option, value)
+    """One fresh process: time and check `cachelife.generate` with the preset's options and attention."""
+    preset = PRESETS[args.child]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
-    built = for_decode(args.model, device=device, dtype=dtype)
-    model = built.model
+    built = build(args.model, False, device, dtype)
+    model = cachelife.enable(built.model)
     inputs = built.inputs(args.batch_size, LENGTH, 1)
-    cachelife.enable(model)
 
     def run(tokens: int) -> torch.Tensor:
-        return decode(model, inputs, max_new_tokens=tokens, steps_per_call=1)
+        out = cachelife.generate(
+            model, fallback=False, compile_options=preset.options, **inputs, **settings_for(args.model, 0, tokens)
+        )
+        return as_tokens(out)
 
-    first_call_s, tokens = timed(device, lambda: run(args.long))
-    tokens = tokens[:, : tokens.shape[1] - args.long + args.tokens]  # the first --tokens new tokens
-    run(args.short)  # the other cache shape's graph, compiled and recorded before anything is timed
-    short = min(timed(device, lambda: run(args.short))[0] for _ in range(3))
-    long = min(timed(device, lambda: run(args.long))[0] for _ in range(3))
-    record: dict[str, Any] = {
-        "preset": args.child,
-        "options": PRESETS[args.child],
-        "first_call_s": round(first_call_s, 3),
-        "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),
-        "kernels": kernel_profile(device, run, args.short, args.long),
-    }
-    torch.save(tokens.cpu(), Path(args.scratch) / f"{args.child}-tokens.pt")
-    if dtype != torch.float32:
-        reference = tokens if args.child == "baseline" else torch.load(Path(args.scratch) / "baseline-tokens.pt")
-        logits = teacher_forced_logits(model, inputs, reference.to(device))
-        torch.save(logits.cpu(), Path(args.scratch) / f"{args.child}-logits.pt")
+    with attention_of(preset):
+        first_call_s, tokens = timed(device, lambda: run(args.long))
+        tokens = tokens[:, : tokens.shape[1] - args.long + args.tokens]  # the first --tokens new tokens
+        run(args.short)
+        short = min(timed(device, lambda: run(args.short))[0] for _ in range(3))
+        long = min(timed(device, lambda: run(args.long))[0] for _ in range(3))
+        record: dict[str, Any] = {
+            "preset": args.child,
+            "options": preset.options,
+            "attention": [backend.name for backend in preset.attention],
+            "first_call_s": round(first_call_s, 3),
+            "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),
+            "kernels": kernel_profile(device, run, args.short, args.long),
+            "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            if device.type == "cuda"
+            else None,
+        }
+        torch.save(tokens.cpu(), Path(args.scratch) / f"{args.child}-tokens.pt")
+        if dtype != torch.float32 and args.logits:
+            reference = tokens if args.child == "baseline" else torch.load(Path(args.scratch) / "baseline-tokens.pt")
+            logits = teacher_forced_logits(model, inputs, reference.to(device), preset)
+            torch.save(logits.cpu(), Path(args.scratch) / f"{args.child}-logits.pt")
     print("RESULT " + json.dumps(record), flush=True)
 
 
@@ -127,17 +165,17 @@ def run_preset(preset: str, args: argparse.Namespace, dtype: str, scratch: Path)
     arguments = [
         "--child", preset, "--scratch", str(scratch), "--device", args.device, "--model", args.model,
         "--batch-size", str(args.batch_size), "--dtype", dtype, "--tokens", str(args.tokens),
-        "--short", str(args.short), "--long", str(args.long),
+        "--short", str(args.short), "--long", str(args.long), *(["--logits"] if args.logits else []),
     ]  # fmt: skip
     record, process = run_child("bench.levers", arguments, scratch / f"cache-{preset}")
     if record is None:
         return {"preset": preset, "returncode": process["returncode"], "stderr_tail": process["stderr_tail"]}
     record["process_s"] = round(process["process_s"], 1)
-    record["correctness"] = correctness(scratch, preset, dtype)
+    record["correctness"] = correctness(scratch, preset, dtype, args.logits)
     return record
 
 
-def correctness(scratch: Path, preset: str, dtype: str) -> dict[str, Any]:
+def correctness(scratch: Path, preset: str, dtype: str, logits: bool) -> dict[str, Any]:
     """Tokens against the baseline's (equal, or the fraction equal), and the largest logit difference."""
     tokens, reference = (torch.load(scratch / f"{name}-tokens.pt") for name in (preset, "baseline"))
     result: dict[str, Any] = {
@@ -145,11 +183,11 @@ def correctness(scratch: Path, preset: str, dtype: str) -> dict[str, Any]:
         "token_agreement": round(float((tokens == reference).float().mean()), 4),
         "first_divergence": first_divergence(tokens, reference),
     }
-    if dtype != "float32":
-        logits, baseline = (torch.load(scratch / f"{name}-logits.pt") for name in (preset, "baseline"))
-        result["max_logit_diff"] = float((logits - baseline).abs().max())
+    if dtype != "float32" and logits:
+        preset_logits, baseline = (torch.load(scratch / f"{name}-logits.pt") for name in (preset, "baseline"))
+        result["max_logit_diff"] = float((preset_logits - baseline).abs().max())
         result["teacher_forced_argmax_agreement"] = round(
-            float((logits.argmax(-1) == baseline.argmax(-1)).float().mean()), 4
+            float((preset_logits.argmax(-1) == baseline.argmax(-1)).float().mean()), 4
         )
     return result
 
@@ -162,8 +200,9 @@ def main() -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--presets", default=",".join(PRESETS), help=f"any of {', '.join(PRESETS)}")
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens compared with the baseline")
-    parser.add_argument("--short", type=int, default=64, help="new tokens of the short timed run")
-    parser.add_argument("--long", type=int, default=192, help="new tokens of the long timed run")
+    parser.add_argument("--short", type=int, default=128, help="new tokens of the short timed run")
+    parser.add_argument("--long", type=int, default=188, help="new tokens of the long timed run")
+    parser.add_argument("--logits", action="store_true", help="teacher-forced logit differences (not in float32)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--child", choices=PRESETS, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
