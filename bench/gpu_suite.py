@@ -349,6 +349,24 @@ BENCHES = {
         "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
         "baseline,coordinate_descent,combo_kernels,max_autotune_gemm",
     ],
+    # Run 18: what helped together, flex attention, and the logit differences of both against the baseline.
+    "levers-c": [
+        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
+        "baseline,together,attention_flex", "--logits",
+    ],
+    "levers-t5-small": [
+        "bench.levers", "--device", "cuda", "--model", "t5-small", "--dtypes", "bfloat16", "--presets",
+        "baseline,combo_kernels,coordinate_descent,max_autotune_gemm,attention_flash,attention_flex,together",
+    ],
+    "levers-fp32": [
+        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "float32", "--presets",
+        "baseline,together",
+    ],
+    "levers-b8": [
+        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--batch-size", "8", "--dtypes",
+        "bfloat16", "--presets", "baseline,together",
+    ],
+    "profile-b8": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "8"],
     "warm-start": [
         "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "generate,decode", "--dtype",
         "bfloat16",

@@ -18,8 +18,9 @@ Presets: baseline (defaults); max_autotune_gemm (GEMM templates autotuned); coor
 (coordinate_descent_tuning); combo_kernels; freezing (weights as constants: folds them and concatenates the
 weights of projections of one input without biases, or all with biases, into one matrix product);
 attention_math / attention_flash (SDPA restricted to the math kernels, which inductor fuses, or to flash and
-memory-efficient attention, where the default picks cuDNN on an H200); together (the four inductor presets).
-Writes
+memory-efficient attention, where the default picks cuDNN on an H200); attention_flex (the model's
+`flex_attention` implementation, whose compiled kernels split the positions over blocks at one query); together
+(combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17). Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
 
@@ -58,6 +59,7 @@ LENGTH = 48
 class Preset:
     options: dict[str, bool | int | str]
     attention: tuple[SDPBackend, ...] = ()  # empty: SDPA picks as by default
+    attn_implementation: str | None = None  # set on the model after it is built; None: the model's default
 
 
 PRESETS: dict[str, Preset] = {
@@ -68,9 +70,8 @@ PRESETS: dict[str, Preset] = {
     "freezing": Preset({"freezing": True}),
     "attention_math": Preset({}, (SDPBackend.MATH,)),
     "attention_flash": Preset({}, (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
-    "together": Preset(
-        {"max_autotune_gemm": True, "coordinate_descent_tuning": True, "combo_kernels": True, "freezing": True}
-    ),
+    "attention_flex": Preset({}, attn_implementation="flex_attention"),
+    "together": Preset({"combo_kernels": True, "coordinate_descent_tuning": True}),
 }
 
 
@@ -127,6 +128,8 @@ def child(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     built = build(args.model, False, device, dtype)
     model = cachelife.enable(built.model)
+    if preset.attn_implementation is not None:
+        model.set_attn_implementation(preset.attn_implementation)
     inputs = built.inputs(args.batch_size, LENGTH, 1)
 
     def run(tokens: int) -> torch.Tensor:
@@ -228,8 +231,8 @@ def main() -> int:
         },
         "results": [],
     }  # fmt: skip
-    chosen = "" if set(presets) == set(PRESETS) else "-" + "+".join(presets[1:] or presets)
-    stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '+')}{chosen}"
+    chosen = "" if set(presets) == set(PRESETS) else "-" + "-".join(presets[1:] or presets)
+    stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '-')}{chosen}"
     out = results_path(args.out, stem, device)
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
