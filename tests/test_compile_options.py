@@ -10,8 +10,8 @@ import torch
 
 import cachelife
 from cachelife import zoo
+from cachelife.compiled import checked_options
 from cachelife.errors import InvalidArgumentError
-from cachelife.generation import loop
 
 
 def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,7 +25,7 @@ def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.Mo
         compiled_with.append(kwargs["options"])
         return real_compile(function, **kwargs)
 
-    monkeypatch.setattr(loop.torch, "compile", recording_compile)
+    monkeypatch.setattr(torch, "compile", recording_compile)
     plain = cachelife.generate(built.model, fallback=False, **inputs, max_new_tokens=10)
     tuned = cachelife.generate(
         built.model, fallback=False, compile_options={"epilogue_fusion": False}, **inputs, max_new_tokens=10
@@ -61,3 +61,9 @@ def test_bad_options_are_refused_before_anything_runs(
         cachelife.generate(built.model, compile_options=options, **built.inputs(2, 9, 1), max_new_tokens=4)
     assert message in str(raised.value)
     assert calls == [], "generate ran although the options were refused"
+
+
+def test_fast_kernels_are_valid_read_only_options() -> None:
+    assert checked_options(cachelife.FAST_KERNELS) == dict(cachelife.FAST_KERNELS)
+    with pytest.raises(TypeError):
+        cachelife.FAST_KERNELS["max_autotune_gemm"] = True  # type: ignore[index]

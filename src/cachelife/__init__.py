@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from cachelife.buffers import Buffers, PinSpec
 from cachelife.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
 from cachelife.compile_cache import pinned_compile_cache
-from cachelife.compiled import compile_forward, restore_forward
+from cachelife.compiled import FAST_KERNELS, compile_forward, restore_forward
 
 # The function: binding it replaces the attribute `decode` that importing the submodule set (see above).
 from cachelife.decode import decode
@@ -73,6 +73,7 @@ else:
 
 
 __all__ = [
+    "FAST_KERNELS",
     "TRANSITIONS",
     "Buffers",
     "CacheLifecycle",
