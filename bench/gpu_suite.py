@@ -366,6 +366,11 @@ BENCHES = {
         "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--batch-size", "8", "--dtypes",
         "bfloat16", "--presets", "baseline,together",
     ],
+    "generate-t5-small": [
+        "bench.generate", "--device", "cuda", "--models", "t5-small", "--batches", "1", "--dtype", "bfloat16",
+        "--tokens", "16,48", "--steps-per-call", "1,4,8", "--paths", "forward,cachelife", "--cuda-graphs",
+        "cachelife", "--repeats", "3", "--tag", "t5-small",
+    ],
     "profile-b8": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "8"],
     "warm-start": [
         "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "generate,decode", "--dtype",

@@ -20,7 +20,7 @@ weights of projections of one input without biases, or all with biases, into one
 attention_math / attention_flash (SDPA restricted to the math kernels, which inductor fuses, or to flash and
 memory-efficient attention, where the default picks cuDNN on an H200); attention_flex (the model's
 `flex_attention` implementation, whose compiled kernels split the positions over blocks at one query); together
-(combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17). Writes
+(`cachelife.FAST_KERNELS`: combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17). Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
 
@@ -71,7 +71,7 @@ PRESETS: dict[str, Preset] = {
     "attention_math": Preset({}, (SDPBackend.MATH,)),
     "attention_flash": Preset({}, (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
     "attention_flex": Preset({}, attn_implementation="flex_attention"),
-    "together": Preset({"combo_kernels": True, "coordinate_descent_tuning": True}),
+    "together": Preset(dict(cachelife.FAST_KERNELS)),
 }
 
 
