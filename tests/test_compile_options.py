@@ -49,6 +49,7 @@ def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.Mo
         ({"triton.cudagraphs": True}, "'triton.cudagraphs' is set by cachelife (CUDA graphs are chosen with"),
         ({"emulate_precision_casts": False}, "'emulate_precision_casts' is set by cachelife"),
         ({"max_autotune_gemm": [True]}, "'max_autotune_gemm' takes a str, int or bool here, got list [True]"),
+        ("max-autotune", "expected a mapping of inductor option names to values, got str"),
     ],
 )
 def test_bad_options_are_refused_before_anything_runs(
@@ -61,6 +62,14 @@ def test_bad_options_are_refused_before_anything_runs(
         cachelife.generate(built.model, compile_options=options, **built.inputs(2, 9, 1), max_new_tokens=4)
     assert message in str(raised.value)
     assert calls == [], "generate ran although the options were refused"
+
+
+def test_options_without_compiling_are_refused() -> None:
+    built = zoo.build("t5")
+    with pytest.raises(InvalidArgumentError, match="need compile_step=True"):
+        cachelife.generate(
+            built.model, compile_step=False, compile_options=cachelife.FAST_KERNELS, **built.inputs(2, 9, 1)
+        )
 
 
 def test_fast_kernels_are_valid_read_only_options() -> None:

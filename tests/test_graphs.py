@@ -50,7 +50,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Graphs captured on the CPU by the stand-in; the step runs eagerly unless a test compiles it."""
     monkeypatch.setattr(graphs, "capture", record)
     monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop, "_compiled", lambda model, name, function, mode: function)
+    monkeypatch.setattr(loop, "_compiled", lambda model, name, function, mode, options: function)
     RECORDED.clear()
     yield
     RECORDED.clear()
@@ -144,6 +144,18 @@ def test_other_buffers_get_their_own_graph_and_old_graphs_are_dropped(monkeypatc
         assert torch.equal(got, zoo.generate_tokens(first.model, inputs, max_new_tokens=NEW))
     assert graphs_of(first.model).captures == 3
     assert len(graphs_of(first.model).graphs) == 2
+
+
+@pytest.mark.usefixtures("recorded")
+def test_a_step_compiled_with_other_options_gets_its_own_graph() -> None:
+    built = whisper()
+    inputs, record = built.inputs(2, 9, 1), graphs_of(built.model)
+    expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=NEW)
+    for options, captures in ((None, 1), (cachelife.FAST_KERNELS, 2), (None, 2), (cachelife.FAST_KERNELS, 2)):
+        got = cachelife.generate(built.model, fallback=False, compile_options=options, max_new_tokens=NEW, **inputs)
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, expected)
+        assert record.captures == captures, options
 
 
 @pytest.mark.usefixtures("recorded")

@@ -86,6 +86,9 @@ def checked_options(options: Mapping[str, object] | None) -> InductorOptions:
     Raises `InvalidArgumentError` naming the first that is not."""
     if options is None:
         return {}
+    if not isinstance(options, Mapping):
+        msg = f"compile_options: expected a mapping of inductor option names to values, got {type(options).__name__}"
+        raise InvalidArgumentError(msg)
     known = set(torch._inductor.list_options())
     checked: InductorOptions = {}
     for name, value in options.items():

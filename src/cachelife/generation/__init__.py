@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from cachelife.compiled import checked_options
+from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
 from cachelife.generation.loop import CudaGraphs, LoopSettings, decoding_method, fall_back
 
@@ -55,6 +56,9 @@ def generate(
         msg = f"cuda_graphs must be 'cachelife' or 'torch', got {cuda_graphs!r}"
         raise ValueError(msg)
     options = checked_options(compile_options)
+    if options and not compile_step:
+        msg = f"compile_options={dict(options)!r} need compile_step=True: the step runs eagerly without it"
+        raise InvalidArgumentError(msg)
     feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
     if feature is not None:
         fall_back(feature, fallback)

@@ -197,9 +197,12 @@ def _stepper(
                 "call and every call captures a new CUDA graph; call cachelife.enable(model) once",
                 type(model).__name__,
             )
-        one_step = _compiled(model, name, function, "default", settings.compile_options)
+        options = settings.compile_options
+        one_step = _compiled(model, name, function, "default", options)
+        # The graph's name is part of its key: a graph of the step compiled with other options is another graph.
+        graph_name = f"{name} with {dict(sorted(options.items()))}" if options else name
         graphed = GraphedSteps(
-            model, name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
+            model, graph_name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
             read_only, device,
         )  # fmt: skip
         return graphed.advance
