@@ -373,7 +373,7 @@ BENCHES = {
     ],
     "profile-b8": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "8"],
     "warm-start": [
-        "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "generate,decode", "--dtype",
+        "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "cachelife-generate", "--dtype",
         "bfloat16",
     ],
     "warm-start-whisper": [
