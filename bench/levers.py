@@ -15,8 +15,8 @@ over `--tokens` steps of a compiled forward (the same preset) fed the baseline's
 so every preset sees the same inputs; it costs each preset a second compilation).
 
 Presets: baseline (defaults); max_autotune_gemm (GEMM templates autotuned); coordinate_descent
-(coordinate_descent_tuning); combo_kernels; freezing (weights as constants: folds them and concatenates the
-weights of projections of one input without biases, or all with biases, into one matrix product);
+(coordinate_descent_tuning); combo_kernels; freezing (inductor's weights-as-constants pass, which
+would concatenate projections of one input; it does not run for a step compiled as a function: README.md);
 attention_math / attention_flash (SDPA restricted to the math kernels, which inductor fuses, or to flash and
 memory-efficient attention, where the default picks cuDNN on an H200); attention_flex (the model's
 `flex_attention` implementation, whose compiled kernels split the positions over blocks at one query); together
