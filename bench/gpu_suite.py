@@ -307,6 +307,13 @@ def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict
     return {"transformers": version, "processes": outcomes}
 
 
+def _levers(presets: str, *overrides: str) -> list[str]:
+    """A `bench.levers` stage: the whisper-large-v3 shape in bf16 at batch 1 unless `overrides` say otherwise
+    (argparse keeps the last value of an option given twice)."""
+    return ["bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16",
+            "--presets", presets, *overrides]  # fmt: skip
+
+
 BENCHES = {
     "decode-loop": ["bench.decode_loop", "--device", "cuda"],
     "soak": ["bench.soak", "--device", "cuda", "--compile", "--calls", "100"],
@@ -341,31 +348,17 @@ BENCHES = {
     ],
     "profile": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "1,8"],
     # Each preset list runs its own baseline: correctness is judged against the baseline of the same run.
-    "levers-a": [
-        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
-        "baseline,attention_math,attention_flash,freezing",
-    ],
-    "levers-b": [
-        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
-        "baseline,coordinate_descent,combo_kernels,max_autotune_gemm",
-    ],
+    "levers-a": _levers("baseline,attention_math,attention_flash,freezing"),
+    "levers-b": _levers("baseline,coordinate_descent,combo_kernels,max_autotune_gemm"),
     # Run 18: what helped together, flex attention, and the logit differences of both against the baseline.
-    "levers-c": [
-        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets",
-        "baseline,together,attention_flex", "--logits",
-    ],
-    "levers-t5-small": [
-        "bench.levers", "--device", "cuda", "--model", "t5-small", "--dtypes", "bfloat16", "--presets",
+    "levers-c": _levers("baseline,together,attention_flex", "--logits"),
+    "levers-t5-small": _levers(
         "baseline,combo_kernels,coordinate_descent,max_autotune_gemm,attention_flash,attention_flex,together",
-    ],
-    "levers-fp32": [
-        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "float32", "--presets",
-        "baseline,together",
-    ],
-    "levers-b8": [
-        "bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--batch-size", "8", "--dtypes",
-        "bfloat16", "--presets", "baseline,together",
-    ],
+        "--model",
+        "t5-small",
+    ),
+    "levers-fp32": _levers("baseline,together", "--dtypes", "float32"),
+    "levers-b8": _levers("baseline,together", "--batch-size", "8"),
     "generate-t5-small": [
         "bench.generate", "--device", "cuda", "--models", "t5-small", "--batches", "1", "--dtype", "bfloat16",
         "--tokens", "16,48", "--steps-per-call", "1,4,8", "--paths", "forward,cachelife", "--cuda-graphs",
