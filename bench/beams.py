@@ -2,7 +2,7 @@
 
     python -m bench.beams [--device cuda|cpu] [--models t5-small,...] [--beams 4] [--out bench/results]
 
-For each model (cachelife.zoo, seeded random weights; batch 2, encoder/prompt length 48, fp32), on the same
+For each model (cachelife.tools.zoo, seeded random weights; batch 2, encoder/prompt length 48, fp32), on the same
 inputs, with exactly N new tokens (min_new_tokens = max_new_tokens, so no beam ends early):
 
 - `eager_dynamic`: eager beam search with the default dynamic cache (the reference tokens).
@@ -10,7 +10,7 @@ inputs, with exactly N new tokens (min_new_tokens = max_new_tokens, so no beam e
 - `cachelife_compiled_forward_before`: cachelife enabled and `model.forward` compiled (`reduce-overhead` on
   CUDA, `fullgraph=True`), with the behaviour of cachelife before in-place beam reorders: transformers'
   `reorder_cache` replaces every layer's tensors and nothing restores them (emulated by switching off
-  `cachelife.reorder.install` and the guard's replaced-tensor check for this path only).
+  `cachelife.core.reorder.install` and the guard's replaced-tensor check for this path only).
 - `cachelife_compiled_forward`: the same with cachelife as it is: in-place reorders, cross-attention reorders
   skipped (every beam of one input holds the same rows).
 - `cachelife_compiled_forward_cross_reordered`: the same, but cross-attention layers reordered in place
@@ -40,8 +40,10 @@ from transformers import CompileConfig
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import marginal_runs, timed
-from cachelife import guard, reorder, zoo
-from cachelife.recipe import CudaGraphHealth, pick_device
+from cachelife.core import reorder
+from cachelife.integration import guard
+from cachelife.tools import zoo
+from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS = 2, 48, 16, 48, 3
 

@@ -39,8 +39,8 @@ from torch._dynamo.callback import CallbackArgs, callback_handler
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import greedy, timed
-from cachelife import zoo
-from cachelife.recipe import CudaGraphHealth, pick_device
+from cachelife.tools import zoo
+from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 BATCH, BUCKETS, REPEATS = 4, (64, 128, 256, 512), 2
 

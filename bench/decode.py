@@ -2,7 +2,7 @@
 
     python -m bench.decode [--device cuda|cpu] [--models t5-small,bart-small,...] [--out bench/results]
 
-For each model (built by cachelife.zoo with seeded random weights; batch 4, encoder/prompt length 48), on
+For each model (built by cachelife.tools.zoo with seeded random weights; batch 4, encoder/prompt length 48), on
 the same inputs, it measures:
 
 - `vanilla_compiled_forward`: transformers as released with `model.forward = torch.compile(...,
@@ -37,8 +37,8 @@ from transformers import CompileConfig
 import cachelife
 from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
 from bench.timing import greedy, marginal_runs, timed
-from cachelife import zoo
-from cachelife.recipe import CudaGraphHealth, pick_device
+from cachelife.tools import zoo
+from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS, SAME_SHAPE_CALLS = 4, 48, 64, 192, 3, 5
 

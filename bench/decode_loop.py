@@ -26,9 +26,9 @@ import torch
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
-from cachelife import zoo
-from cachelife.decode import decode
-from cachelife.recipe import pick_device
+from cachelife.generation.decode import decode
+from cachelife.tools import zoo
+from cachelife.tools.recipe import pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS = 4, 48, 64, 192, 3
 

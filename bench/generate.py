@@ -45,11 +45,11 @@ from transformers import CompileConfig
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
-from cachelife import zoo
 from cachelife.generation import loop
 from cachelife.generation.graphs import graphs_of
 from cachelife.generation.loop import CudaGraphs
-from cachelife.recipe import CudaGraphHealth, pick_device
+from cachelife.tools import zoo
+from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
 Run = Callable[[int], torch.Tensor]

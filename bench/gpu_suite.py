@@ -205,7 +205,7 @@ def health(found: dict[str, str], work: Path, processes: int, parallel: int, cas
 
 
 def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-small") -> dict[str, Any]:
-    """The root cause of the intermittent CUDA-graph skips, and its fix (cachelife.compile_cache).
+    """The root cause of the intermittent CUDA-graph skips, and its fix (cachelife.integration.compile_cache).
 
     Each scenario runs its steps one after the other in fresh processes sharing one TORCHINDUCTOR_CACHE_DIR:
     first torch alone (bench/static_key_repro.py), then the real recipe, where "without the namespace" runs
@@ -215,7 +215,7 @@ def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-smal
     recipe = ["-m", "cachelife", "recipe", "--json", "--model", model, "--calls", "2"]
     untagged = [
         "-c",
-        "import runpy, sys, cachelife.compile_cache as c; c.TAG = ''; sys.argv[0] = 'cachelife'; "
+        "import runpy, sys, cachelife.integration.compile_cache as c; c.TAG = ''; sys.argv[0] = 'cachelife'; "
         "runpy.run_module('cachelife', run_name='__main__')",
         *recipe[2:],
     ]

@@ -47,10 +47,10 @@ from bench.decode_loop import first_divergence
 from bench.generate import as_tokens, build, settings_for
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
-from cachelife import zoo
-from cachelife.call_arguments import cache_argument_name
-from cachelife.compiled import InductorOptions
-from cachelife.recipe import pick_device
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.compiled import InductorOptions
+from cachelife.tools import zoo
+from cachelife.tools.recipe import pick_device
 
 LENGTH = 48
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cachelife import zoo
+from cachelife.tools import zoo
 
 
 def for_decode(name: str, device: torch.device, dtype: torch.dtype) -> zoo.ZooModel:

@@ -39,9 +39,9 @@ import cachelife
 from bench.models import for_decode
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
-from cachelife import zoo
-from cachelife.decode import decode
-from cachelife.recipe import pick_device
+from cachelife.generation.decode import decode
+from cachelife.tools import zoo
+from cachelife.tools.recipe import pick_device
 
 LENGTH, SHORT, LONG, REPEATS = 48, 64, 192, 3
 

@@ -22,8 +22,8 @@ import torch
 
 import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
-from cachelife import zoo
-from cachelife.recipe import CudaGraphHealth, pick_device
+from cachelife.tools import zoo
+from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 WARMUP = 10
 

@@ -20,7 +20,7 @@ import json
 import torch
 from torch._dynamo.utils import counters
 
-from cachelife.compile_cache import pinned_compile_cache
+from cachelife.integration.compile_cache import pinned_compile_cache
 
 ROLES = ("unmarked", "static", "static-in-cachelife-namespace")
 

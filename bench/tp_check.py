@@ -36,9 +36,9 @@ from torch._dynamo.utils import counters  # noqa: E402
 from transformers import DistributedConfig, PreTrainedModel  # noqa: E402
 
 import cachelife  # noqa: E402
-from cachelife import zoo  # noqa: E402
-from cachelife.call_arguments import find_cache  # noqa: E402
-from cachelife.layer_lifecycle import Filled, Pinned  # noqa: E402
+from cachelife.core.layer_lifecycle import Filled, Pinned  # noqa: E402
+from cachelife.integration.call_arguments import find_cache  # noqa: E402
+from cachelife.tools import zoo  # noqa: E402
 
 
 def parse() -> argparse.Namespace:

@@ -40,9 +40,9 @@ from bench.generate import as_tokens
 from bench.models import for_decode
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import timed
-from cachelife import zoo
-from cachelife.decode import decode
-from cachelife.recipe import pick_device
+from cachelife.generation.decode import decode
+from cachelife.tools import zoo
+from cachelife.tools.recipe import pick_device
 
 BATCH, LENGTH = 4, 48
 ROLES = ("empty_dir", "shared_dir", "loaded_artifacts")

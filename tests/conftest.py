@@ -1,4 +1,4 @@
-"""Shared fixtures: small models from cachelife.zoo, and the skip rule for GPU tests."""
+"""Shared fixtures: small models from cachelife.tools.zoo, and the skip rule for GPU tests."""
 
 from __future__ import annotations
 

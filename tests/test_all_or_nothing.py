@@ -10,8 +10,8 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 import cachelife
-from cachelife import zoo
 from cachelife.errors import CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
+from cachelife.tools import zoo
 
 CONFIG = zoo.llama_small()  # 4 decoder layers
 SHAPES = cachelife.CacheShapes.uniform(4, cachelife.LayerShape(num_kv_heads=2, key_head_dim=8, value_head_dim=8))

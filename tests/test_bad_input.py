@@ -13,9 +13,8 @@ from transformers import T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, StaticCache
 
 import cachelife
-from cachelife import zoo
-from cachelife.buffers import PinSpec
-from cachelife.call_arguments import cache_argument_name
+from cachelife.core.buffers import PinSpec
+from cachelife.core.layer_lifecycle import LayerState
 from cachelife.errors import (
     CacheShapeError,
     CompiledRegionError,
@@ -24,7 +23,8 @@ from cachelife.errors import (
     UnpinnedCacheError,
     UnsupportedCacheError,
 )
-from cachelife.layer_lifecycle import LayerState
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.tools import zoo
 
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 4, "min_new_tokens": 4}
 

@@ -20,12 +20,14 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
-from cachelife import reorder, skips, zoo
-from cachelife.cache_lifecycle import CacheLifecycle
-from cachelife.call_arguments import cache_argument_name, find_cache
+from cachelife.core import reorder
+from cachelife.core.cache_lifecycle import CacheLifecycle
+from cachelife.core.layer_lifecycle import Filled, Pinned
 from cachelife.errors import ReplacedBuffersError
-from cachelife.guard import OnUnpinned
-from cachelife.layer_lifecycle import Filled, Pinned
+from cachelife.integration import skips
+from cachelife.integration.call_arguments import cache_argument_name, find_cache
+from cachelife.integration.guard import OnUnpinned
+from cachelife.tools import zoo
 
 NEW_TOKENS = 7
 # (num_beams, extra settings): every option transformers' beam search takes, each at least once.

@@ -19,11 +19,11 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 import cachelife
-from cachelife import zoo
-from cachelife.buckets import BUCKETABLE_MODEL_TYPES, bucket_length, check_buckets
-from cachelife.call_arguments import find_cache
-from cachelife.decode import decode
 from cachelife.errors import InvalidBucketsError, UnsupportedGenerationError
+from cachelife.generation.decode import decode
+from cachelife.integration.buckets import BUCKETABLE_MODEL_TYPES, bucket_length, check_buckets
+from cachelife.integration.call_arguments import find_cache
+from cachelife.tools import zoo
 
 NEW_TOKENS = 6
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}

@@ -10,11 +10,12 @@ import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
-from cachelife import buffers, zoo
-from cachelife.cache_lifecycle import CacheLifecycle, static_parts
+from cachelife.core import buffers
+from cachelife.core.cache_lifecycle import CacheLifecycle, static_parts
+from cachelife.core.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
+from cachelife.core.shapes import CacheShapes, LayerShape
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
-from cachelife.shapes import CacheShapes, LayerShape
+from cachelife.tools import zoo
 
 CONFIG = zoo.t5_tiny()  # 2 decoder layers
 SELF = LayerShape(num_kv_heads=4, key_head_dim=16, value_head_dim=16)

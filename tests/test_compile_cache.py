@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import cachelife
-from cachelife import zoo
-from cachelife.compile_cache import TAG, _Namespace, pinned_compile_cache
+from cachelife.integration.compile_cache import TAG, _Namespace, pinned_compile_cache
+from cachelife.tools import zoo
 
 
 def current_tag() -> str:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import cachelife
-from cachelife import zoo
-from cachelife.compiled import checked_options
 from cachelife.errors import InvalidArgumentError
+from cachelife.integration.compiled import checked_options
+from cachelife.tools import zoo
 
 
 def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

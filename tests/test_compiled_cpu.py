@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import cachelife
-from cachelife import zoo
-from cachelife.call_arguments import find_cache
+from cachelife.integration.call_arguments import find_cache
+from cachelife.tools import zoo
 
 pytestmark = pytest.mark.slow
 

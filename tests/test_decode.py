@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import cachelife
-from cachelife import zoo
-from cachelife.decode import decode
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+from cachelife.generation.decode import decode
+from cachelife.tools import zoo
 
 NAMES = ["t5", "bart", "whisper", "llama"]
 

@@ -12,9 +12,10 @@ import torch
 from transformers.cache_utils import StaticCache
 
 import cachelife
-from cachelife import buffers, zoo
-from cachelife.call_arguments import cache_argument_name
-from cachelife.layer_lifecycle import Filled, Pinned
+from cachelife.core import buffers
+from cachelife.core.layer_lifecycle import Filled, Pinned
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.tools import zoo
 
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 6, "min_new_tokens": 6}
 

@@ -19,9 +19,9 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import cachelife
-from cachelife import zoo
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation import states
+from cachelife.tools import zoo
 
 ENCODER_DECODER = ["t5", "bart", "marian", "whisper"]
 ALL = [*ENCODER_DECODER, "llama"]

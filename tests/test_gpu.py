@@ -23,14 +23,14 @@ import torch
 from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
 import cachelife
-from cachelife import zoo
-from cachelife.buffers import PinSpec
-from cachelife.call_arguments import cache_argument_name
+from cachelife.core.buffers import PinSpec
 from cachelife.errors import CompiledRegionError
 from cachelife.generation.graphs import graphs_of
 from cachelife.generation.loop import CudaGraphs
-from cachelife.guard import DecodingGuard
-from cachelife.recipe import CudaGraphHealth
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.guard import DecodingGuard
+from cachelife.tools import zoo
+from cachelife.tools.recipe import CudaGraphHealth
 
 pytestmark = pytest.mark.gpu
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import cachelife
-from cachelife import zoo
 from cachelife.generation import graphs, loop
 from cachelife.generation.graphs import graphs_of
+from cachelife.tools import zoo
 
 NEW = 12
 

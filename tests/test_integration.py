@@ -15,13 +15,13 @@ from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
-from cachelife import zoo
-from cachelife.cache_lifecycle import CacheLifecycle, static_parts
-from cachelife.call_arguments import cache_argument_name, find_cache
-from cachelife.compiled import eager_forward, is_compiled
+from cachelife.core.cache_lifecycle import CacheLifecycle, static_parts
+from cachelife.core.layer_lifecycle import Filled, Pinned
+from cachelife.core.shapes import CacheShapes, LayerShape
 from cachelife.errors import CacheShapeError, InvalidArgumentError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.layer_lifecycle import Filled, Pinned
-from cachelife.shapes import CacheShapes, LayerShape
+from cachelife.integration.call_arguments import cache_argument_name, find_cache
+from cachelife.integration.compiled import eager_forward, is_compiled
+from cachelife.tools import zoo
 
 NEW_TOKENS = 6
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}
@@ -159,7 +159,7 @@ def test_boundary_pins_a_cache_replaced_after_preparation_and_warns(caplog: pyte
         tokens = zoo.generate_tokens(built.model, inputs, **SETTINGS, cache_implementation="static")
     assert torch.equal(tokens, expected)
     assert recorder.states == [["Pinned"] * 4]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "cachelife.guard"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cachelife.integration.guard"]
     assert len(warnings) == 1
     assert "layer 0 (cross-attention), layer 1 (cross-attention)" in warnings[0]
     assert "pinned there" in warnings[0]

@@ -17,16 +17,9 @@ from transformers.cache_utils import (
 )
 
 import cachelife
-from cachelife import buffers, zoo
-from cachelife.buffers import PinSpec
-from cachelife.errors import (
-    CompiledRegionError,
-    IllegalTransitionError,
-    ReplacedBuffersError,
-    UnpinnedCacheError,
-    UnsupportedCacheError,
-)
-from cachelife.layer_lifecycle import (
+from cachelife.core import buffers
+from cachelife.core.buffers import PinSpec
+from cachelife.core.layer_lifecycle import (
     TRANSITIONS,
     Event,
     Filled,
@@ -37,6 +30,14 @@ from cachelife.layer_lifecycle import (
     Role,
     Unallocated,
 )
+from cachelife.errors import (
+    CompiledRegionError,
+    IllegalTransitionError,
+    ReplacedBuffersError,
+    UnpinnedCacheError,
+    UnsupportedCacheError,
+)
+from cachelife.tools import zoo
 
 SPEC = PinSpec(
     batch_size=2, num_kv_heads=3, key_head_dim=5, value_head_dim=7, dtype=torch.float32, device=torch.device("cpu")
@@ -322,7 +323,7 @@ def test_one_debug_line_per_transition(caplog: pytest.LogCaptureFixture) -> None
         tracked.fill(FillRecord("forward", positions=2, compiled=True))
         tracked.reset()
         tracked.release()
-    lines = [record.getMessage() for record in caplog.records if record.name == "cachelife.layer_lifecycle"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "cachelife.core.layer_lifecycle"]
     assert len(lines) == 4
     pin, fill, reset, release = lines
     assert pin.startswith("layer=4 role=cross pin: Unallocated -> Pinned keys=(2, 3, 6, 5) values=(2, 3, 6, 7)")

@@ -13,8 +13,8 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 import cachelife
-from cachelife.buffers import PinSpec
-from cachelife.layer_lifecycle import LayerLifecycle
+from cachelife.core.buffers import PinSpec
+from cachelife.core.layer_lifecycle import LayerLifecycle
 
 SPEC = PinSpec(1, 2, 4, 4, torch.float32, torch.device("cpu"))
 
@@ -32,7 +32,7 @@ def test_enable_debug_logging_writes_one_line_per_transition() -> None:
     LayerLifecycle.adopt(layer, index=2, role="self").pin(SPEC)
     lines = stream.getvalue().splitlines()
     assert len(lines) == 1
-    assert "DEBUG cachelife.layer_lifecycle: layer=2 role=self pin: Unallocated -> Pinned" in lines[0]
+    assert "DEBUG cachelife.core.layer_lifecycle: layer=2 role=self pin: Unallocated -> Pinned" in lines[0]
     cachelife.disable_debug_logging()
     assert logging.getLogger("cachelife").handlers == []
 
@@ -49,8 +49,8 @@ def test_environment_variable(value: str, expect: str) -> None:
     code = (
         "import torch, cachelife\n"
         "from transformers.cache_utils import StaticLayer\n"
-        "from cachelife.layer_lifecycle import LayerLifecycle\n"
-        "from cachelife.buffers import PinSpec\n"
+        "from cachelife.core.layer_lifecycle import LayerLifecycle\n"
+        "from cachelife.core.buffers import PinSpec\n"
         "layer = StaticLayer(max_cache_len=2)\n"
         "spec = PinSpec(1, 1, 2, 2, torch.float32, torch.device('cpu'))\n"
         "LayerLifecycle.adopt(layer, index=0, role='self').pin(spec)\n"

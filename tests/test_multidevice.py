@@ -22,12 +22,13 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
 import cachelife
-from cachelife import placement, zoo
-from cachelife.call_arguments import cache_argument_name
+from cachelife.core import placement
+from cachelife.core.layer_lifecycle import Filled, Pinned
+from cachelife.core.shapes import CacheShapes, LayerShape, per_rank_shapes
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
-from cachelife.guard import check_call_fits
-from cachelife.layer_lifecycle import Filled, Pinned
-from cachelife.shapes import CacheShapes, LayerShape, per_rank_shapes
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.guard import check_call_fits
+from cachelife.tools import zoo
 
 NEW_TOKENS = 6
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}

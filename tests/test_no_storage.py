@@ -14,12 +14,12 @@ import torch
 from transformers import PreTrainedModel, StaticCache, cache_utils
 
 import cachelife
-from cachelife import buffers
-from cachelife.buffers import PinSpec
+from cachelife.core import buffers
+from cachelife.core.buffers import PinSpec
+from cachelife.core.layer_lifecycle import TRANSITIONS, Event, FillRecord, LayerLifecycle, NoStorage
+from cachelife.core.shapes import decoder_only_shapes, storage_less_layers
 from cachelife.errors import CacheShapeError, IllegalTransitionError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.layer_lifecycle import TRANSITIONS, Event, FillRecord, LayerLifecycle, NoStorage
-from cachelife.recipe import lifecycle_table
-from cachelife.shapes import decoder_only_shapes, storage_less_layers
+from cachelife.tools.recipe import lifecycle_table
 
 DUMMY = getattr(cache_utils, "DummyLayer", None)
 needs_dummy_layer = pytest.mark.skipif(

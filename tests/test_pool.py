@@ -10,12 +10,13 @@ import torch
 from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
 import cachelife
-from cachelife import buffers, reorder, zoo
-from cachelife.buffers import PinSpec
-from cachelife.call_arguments import find_cache
+from cachelife.core import buffers, reorder
+from cachelife.core.buffers import PinSpec
+from cachelife.core.layer_lifecycle import Pinned
+from cachelife.core.pool import CachePool, pool_key
 from cachelife.errors import InvalidArgumentError
-from cachelife.layer_lifecycle import Pinned
-from cachelife.pool import CachePool, pool_key
+from cachelife.integration.call_arguments import find_cache
+from cachelife.tools import zoo
 
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 5, "min_new_tokens": 5}
 

@@ -16,8 +16,8 @@ import transformers
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import cachelife
+from cachelife.core.shapes import CacheShapes, LayerShape, infer_cache_shapes
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
-from cachelife.shapes import CacheShapes, LayerShape, infer_cache_shapes
 
 B, ENCODER_LENGTH, DECODER_LENGTH, VOCAB = 2, 7, 3, 99
 Case = Callable[[], tuple[Any, dict[str, Any]]]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cachelife
-from cachelife import zoo
-from cachelife.cache_lifecycle import _REGISTRY
+from cachelife.core.cache_lifecycle import _REGISTRY
+from cachelife.tools import zoo
 
 CALLS = 40
 pytestmark = pytest.mark.slow

@@ -19,12 +19,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
 import cachelife
-from cachelife import buffers, zoo
-from cachelife.buffers import PinSpec
-from cachelife.cache_lifecycle import CacheLifecycle, static_parts
-from cachelife.call_arguments import cache_argument_name
+from cachelife.core import buffers
+from cachelife.core.buffers import PinSpec
+from cachelife.core.cache_lifecycle import CacheLifecycle, static_parts
+from cachelife.core.layer_lifecycle import (
+    TRANSITIONS,
+    Event,
+    Filled,
+    FillRecord,
+    LayerLifecycle,
+    Pinned,
+    Unallocated,
+)
 from cachelife.errors import CacheShapeError, IllegalTransitionError, UnpinnedCacheError
-from cachelife.layer_lifecycle import TRANSITIONS, Event, Filled, FillRecord, LayerLifecycle, Pinned, Unallocated
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.tools import zoo
 
 CPU = torch.device("cpu")
 SELF_LEN, CROSS_LEN, HEADS, DIM = 6, 4, 2, 8

@@ -40,7 +40,7 @@ from transformers.generation.configuration_utils import CompileConfig, Generatio
 from transformers.generation.utils import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutput
 
-from cachelife import zoo
+from cachelife.tools import zoo
 
 STUBS = Path(__file__).resolve().parents[1] / "typings" / "transformers"
 Parameter = inspect.Parameter

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import cachelife
-from cachelife.warm_start import MAGIC
+from cachelife.integration.warm_start import MAGIC
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 PAYLOAD = b"torch's serialized artifacts\n\x00\x01 with any bytes"
@@ -180,7 +180,7 @@ import json, sys, time
 import torch
 from torch._dynamo.utils import counters
 import cachelife
-from cachelife import zoo
+from cachelife.tools import zoo
 
 role, path = sys.argv[1], sys.argv[2]
 if role == "load":

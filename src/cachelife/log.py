@@ -1,10 +1,10 @@
 """cachelife's logging: the `cachelife` logger namespace, silent by default.
 
-Every transition logs one DEBUG line under `cachelife.layer_lifecycle`; late pins at the decoding boundary log a
-WARNING under `cachelife.guard`. The library installs no handler of its own: configure logging as
-usual, or opt in with `enable_debug_logging()` or the environment variable `CACHELIFE_LOG=debug` (any
-level name works), which attach one stderr handler to the `cachelife` logger, as urllib3's
-`add_stderr_logger` does.
+Every transition logs one DEBUG line under `cachelife.core.layer_lifecycle`; late pins at the decoding
+boundary log a WARNING under `cachelife.integration.guard`. The library installs no handler of its own:
+configure logging as usual, or opt in with `enable_debug_logging()` or the environment variable
+`CACHELIFE_LOG=debug` (any level name works), which attach one stderr handler to the `cachelife` logger, as
+urllib3's `add_stderr_logger` does.
 """
 
 from __future__ import annotations

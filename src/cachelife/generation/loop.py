@@ -26,10 +26,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutput
 
-import cachelife
-from cachelife.call_arguments import cache_argument_name
-from cachelife.compile_cache import pinned_compile_cache
-from cachelife.compiled import InductorOptions, call_step, mode_with
+from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
@@ -37,6 +34,10 @@ from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.processors import tensor_processors, unsupported_processor
 from cachelife.generation.states import pooled_state, static_copy
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.compile_cache import pinned_compile_cache
+from cachelife.integration.compiled import InductorOptions, call_step, mode_with
+from cachelife.integration.enabling import pool_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,9 @@ class LoopSettings:
     fallback: bool
     generator: torch.Generator | None
     cuda_graphs: CudaGraphs = "cachelife"
-    compile_options: InductorOptions = field(factory=dict)  # as cachelife.compiled.checked_options returns them
+    compile_options: InductorOptions = field(
+        factory=dict
+    )  # as cachelife.integration.compiled.checked_options returns them
 
 
 def fall_back(feature: str, fallback: bool) -> None:
@@ -129,13 +132,13 @@ def _prefill(
     step passes again (cache, encoder output and mask), and the first logits (float32)."""
     name = cache_argument_name(model)
     rows = int(input_ids.shape[0])
-    pool = cachelife.pool_of(model)
+    pool = pool_of(model)
     step_inputs: dict[str, Any] = {}
     if model.config.is_encoder_decoder:
         # The encoder output and its mask, copied into pooled static buffers: the same addresses every step
         # and every call of this shape (no copy into the graph, no CUDA-graph re-recording).
         hidden = static_copy(model, "encoder output", model_kwargs["encoder_outputs"][0])
-        cache = cachelife.prepare_static_cache(
+        cache = prepare_static_cache(
             model, batch_size=rows, max_cache_len=cache_length, encoder_length=int(hidden.shape[1]), pool=pool
         )
         model_kwargs["encoder_outputs"] = step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
@@ -143,7 +146,7 @@ def _prefill(
         if isinstance(mask, torch.Tensor):
             model_kwargs["attention_mask"] = step_inputs["attention_mask"] = static_copy(model, "encoder mask", mask)
     else:
-        cache = cachelife.prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
+        cache = prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
     for stale in ("cache", "past_key_values"):
         model_kwargs.pop(stale, None)
     model_kwargs[name] = cache
@@ -190,7 +193,7 @@ def _stepper(
     steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly."""
     spc, device = settings.steps_per_call, model.device
     if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
-        if cachelife.pool_of(model) is None and model not in _WARNED_NO_POOL:
+        if pool_of(model) is None and model not in _WARNED_NO_POOL:
             _WARNED_NO_POOL.add(model)
             logger.warning(
                 "cachelife.generate: %s is not enabled (no cache pool), so its caches get new addresses on every "

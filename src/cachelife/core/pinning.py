@@ -11,11 +11,17 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
-from cachelife.cache_lifecycle import CacheLifecycle, ManagedCache, is_encoder_decoder_cache, is_static_cache, lifecycle
+from cachelife.core.cache_lifecycle import (
+    CacheLifecycle,
+    ManagedCache,
+    is_encoder_decoder_cache,
+    is_static_cache,
+    lifecycle,
+)
+from cachelife.core.placement import cache_layer_devices
+from cachelife.core.pool import CachePool
+from cachelife.core.shapes import CacheShapes, model_cache_shapes
 from cachelife.errors import CacheShapeError
-from cachelife.placement import cache_layer_devices
-from cachelife.pool import CachePool
-from cachelife.shapes import CacheShapes, model_cache_shapes
 from cachelife.validate import check_int
 
 

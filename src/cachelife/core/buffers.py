@@ -1,7 +1,7 @@
 """The storage of one transformers cache layer: how it is allocated, marked static, zeroed and dropped.
 
 These functions act on transformers' layer objects (`StaticLayer` and its sliding-window subclass) and know
-their attributes; they hold no lifecycle state. `cachelife.layer_lifecycle` decides when each one may run.
+their attributes; they hold no lifecycle state. `cachelife.core.layer_lifecycle` decides when each one may run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import cache_utils
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from typing_extensions import TypeIs
 
-from cachelife import reorder
+from cachelife.core import reorder
 from cachelife.errors import CacheShapeError, CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
 
 # transformers >= 5.24 fills the layers that store nothing (KV-sharing consumers, "moe"/"mlp" layer types) with

@@ -1,6 +1,6 @@
 """The main job: compiled static-cache generation with cachelife on the embedded default model.
 
-Builds a small T5 from a config in code (`cachelife.zoo`), generates eagerly with a dynamic cache for
+Builds a small T5 from a config in code (`cachelife.tools.zoo`), generates eagerly with a dynamic cache for
 reference, enables cachelife, compiles `model.forward` (CUDA graphs via mode="reduce-overhead" on a GPU,
 inductor on a CPU), generates with `cache_implementation="static"` several times, prints the per-layer
 lifecycle table seen at the first forward call, and checks every call's tokens against the reference.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from cachelife.recipe import RecipeReport, run_recipe
+from cachelife.tools.recipe import RecipeReport, run_recipe
 
 
 def run_demo(

@@ -16,7 +16,7 @@ asks for more (forced or suppressed tokens, repetition penalties, minimum length
 `UnsupportedGenerationError` instead of decoding differently from `generate`. Prompts must not be padded.
 
 `encoder_buckets=(64, 128, ...)` pads the encoder output and its attention mask to the smallest bucket that
-fits before the cache is pinned (`cachelife.buckets`), so that encoder lengths within one bucket share one
+fits before the cache is pinned (`cachelife.integration.buckets`), so that encoder lengths within one bucket share one
 cross-attention cache shape and one compiled step.
 """
 
@@ -31,13 +31,13 @@ from attrs import frozen
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
-from cachelife.buckets import Buckets, check_bucketable, check_buckets, pad_encoder_states
-from cachelife.call_arguments import cache_argument_name
-from cachelife.compile_cache import pinned_compile_cache
-from cachelife.compiled import call_step
-from cachelife.enabling import pool_of
+from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
-from cachelife.pinning import prepare_static_cache
+from cachelife.integration.buckets import Buckets, check_bucketable, check_buckets, pad_encoder_states
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.compile_cache import pinned_compile_cache
+from cachelife.integration.compiled import call_step
+from cachelife.integration.enabling import pool_of
 from cachelife.validate import is_int_at_least
 
 # Generation-config fields whose logits processors this loop does not apply, with their neutral values.

@@ -2,7 +2,7 @@
 
 `lifecycle(cache)` returns the one `CacheLifecycle` of a cache (kept while the cache lives, never keeping it
 alive). Operations here apply a layer transition to every layer that needs it, all or nothing: they check
-every layer first (`LayerLifecycle.check`, and `cachelife.fit` for pin requests) and change a layer only when
+every layer first (`LayerLifecycle.check`, and `cachelife.core.fit` for pin requests) and change a layer only when
 every check passed. Should acting still fail part way (out of memory while pinning), `pin` releases what the
 same call pinned.
 """
@@ -18,10 +18,9 @@ from attrs import define, field
 from transformers.cache_utils import Cache, EncoderDecoderCache, StaticCache, StaticLayer
 from typing_extensions import TypeIs
 
-from cachelife.buffers import PinSpec
-from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
-from cachelife.fit import Need, check_fits
-from cachelife.layer_lifecycle import (
+from cachelife.core.buffers import PinSpec
+from cachelife.core.fit import Need, check_fits
+from cachelife.core.layer_lifecycle import (
     Filled,
     FillRecord,
     LayerLifecycle,
@@ -31,8 +30,9 @@ from cachelife.layer_lifecycle import (
     Unallocated,
     transitions_so_far,
 )
-from cachelife.placement import resolve_device
-from cachelife.shapes import CacheShapes, LayerShape
+from cachelife.core.placement import resolve_device
+from cachelife.core.shapes import CacheShapes, LayerShape
+from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.validate import check_int
 
 ManagedCache: TypeAlias = StaticCache | EncoderDecoderCache

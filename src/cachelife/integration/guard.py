@@ -10,11 +10,11 @@ at two places and checks it at a third:
    `model.forward`, and a wrapper around transformers' auto-compiled call): a cache that reached it
    unpinned (replaced after preparation, or built by hand) is pinned there and a WARNING is logged, or,
    with `on_unpinned="raise"`, refused with `UnpinnedCacheError`; a cache that does not fit the call is
-   refused with `CacheShapeError` (`cachelife.fit`);
+   refused with `CacheShapeError` (`cachelife.core.fit`);
 3. after each forward call, content is recorded (`Pinned -> Filled`) without reading any tensor.
 
 With encoder buckets, the encoder output and its attention mask are padded to a bucket length
-(`cachelife.buckets`) on the way into `_prepare_cache_for_generation`, so that the cross-attention cache is
+(`cachelife.integration.buckets`) on the way into `_prepare_cache_for_generation`, so that the cross-attention cache is
 pinned, and decoding compiled, at the bucket length.
 
 All of this runs in eager Python around compiled code, never inside it: the hooks return at once while
@@ -35,20 +35,21 @@ from attrs import define, field
 from torch._dynamo.utils import counters
 from transformers import GenerationConfig, PreTrainedModel
 
-from cachelife import buffers, call_arguments, reorder
-from cachelife.buckets import Buckets, pad_generation_kwargs
-from cachelife.cache_lifecycle import CacheLifecycle, ManagedCache, is_managed_cache, lifecycle
-from cachelife.compile_cache import pinned_compile_cache
-from cachelife.compiled import is_compiled
+from cachelife.core import buffers, reorder
+from cachelife.core.cache_lifecycle import CacheLifecycle, ManagedCache, is_managed_cache, lifecycle
+from cachelife.core.fit import Need, check_encoder_fits, check_fits
+from cachelife.core.layer_lifecycle import FillRecord, Pinned
+from cachelife.core.pinning import pin_for_model
+from cachelife.core.placement import cache_layer_devices
+from cachelife.core.pool import CachePool
+from cachelife.core.shapes import model_cache_shapes
 from cachelife.errors import CacheShapeError, ReplacedBuffersError
-from cachelife.fit import Need, check_encoder_fits, check_fits
-from cachelife.layer_lifecycle import FillRecord, Pinned
-from cachelife.pinning import pin_for_model
-from cachelife.placement import cache_layer_devices
-from cachelife.pool import CachePool
-from cachelife.shapes import model_cache_shapes
-from cachelife.skips import describe as skips_describe
-from cachelife.skips import skip_log as skips_log
+from cachelife.integration import call_arguments
+from cachelife.integration.buckets import Buckets, pad_generation_kwargs
+from cachelife.integration.compile_cache import pinned_compile_cache
+from cachelife.integration.compiled import is_compiled
+from cachelife.integration.skips import describe as skips_describe
+from cachelife.integration.skips import skip_log as skips_log
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class DecodingGuard:
     encoder_buckets: Buckets | None = None
     # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
     _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
-    # Skip reasons torch had logged when this guard last looked (`cachelife.skips`).
+    # Skip reasons torch had logged when this guard last looked (`cachelife.integration.skips`).
     _skip_lines_seen: int = field(factory=lambda: skips_log().count, alias="skip_lines_seen")
     # Whether a pinned layer was found holding replaced tensors (then a stale compile cache is no likely cause).
     _replaced_seen: bool = field(default=False, alias="replaced_seen")
@@ -144,7 +145,7 @@ class DecodingGuard:
         state = pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool)
         if isinstance(generation_config, GenerationConfig) and (generation_config.num_beams or 1) > 1:
             # generate expanded the encoder output per beam: every beam of one input gets the same
-            # cross-attention rows, which a beam reorder never needs to move (see cachelife.reorder).
+            # cross-attention rows, which a beam reorder never needs to move (see cachelife.core.reorder).
             for layer in state.cross_attention:
                 if isinstance(layer.state, Pinned):
                     reorder.share_rows_within_beams(layer.layer)

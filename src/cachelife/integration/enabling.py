@@ -1,6 +1,6 @@
 """Turning cachelife on and off for a model: `enable`, `disable`, `is_enabled`, the buffer pool's settings, and
 `CacheLifecycleMixin`, which enables every instance of a model class. What `enable` installs is the decoding
-guard (`cachelife.guard`).
+guard (`cachelife.integration.guard`).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from cachelife.buckets import check_bucketable, check_buckets
+from cachelife.core.pool import DEFAULT_BUDGET_BYTES, CachePool
+from cachelife.core.shapes import model_cache_shapes
 from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
-from cachelife.guard import DecodingGuard, OnUnpinned, guard_of
-from cachelife.pool import DEFAULT_BUDGET_BYTES, CachePool
-from cachelife.shapes import model_cache_shapes
+from cachelife.integration.buckets import check_bucketable, check_buckets
+from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
 from cachelife.validate import check_int
 
 
@@ -32,7 +32,7 @@ def enable(
     pins it there and logs a WARNING (the default), "raise" raises `UnpinnedCacheError`. `pool_bytes` is the
     budget of idle pinned buffers kept between `generate` calls so that the next call of the same shape
     decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. `encoder_buckets`
-    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.buckets`), e.g.
+    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.integration.buckets`), e.g.
     `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that fits,
     so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
     Fails at once, before anything is patched, if an argument is invalid (`InvalidArgumentError`), the model

@@ -14,10 +14,10 @@ from typing import Literal, TypeAlias
 import torch
 from attrs import frozen
 
-from cachelife.buffers import Buffers, PinSpec
+from cachelife.core.buffers import Buffers, PinSpec
+from cachelife.core.layer_lifecycle import LayerLifecycle
+from cachelife.core.shapes import LayerShape
 from cachelife.errors import CacheShapeError
-from cachelife.layer_lifecycle import LayerLifecycle
-from cachelife.shapes import LayerShape
 
 Request: TypeAlias = Literal["pin", "call"]
 

@@ -6,7 +6,7 @@ Rules:
 - The legal transitions are the table `TRANSITIONS`. An event the table does not list for the current state
   raises `IllegalTransitionError` naming the layer, its role, the state and the fix, and changes nothing.
 - A transition first checks everything that can refuse it (`LayerLifecycle.check`: legal, layer alive, not in a
-  compiled region, buffers not replaced), then acts on the buffers (`cachelife.buffers`), then records the new
+  compiled region, buffers not replaced), then acts on the buffers (`cachelife.core.buffers`), then records the new
   state and logs one DEBUG line. If acting fails, the state stays as it was. Whole-cache operations run every
   layer's check before they act on any.
 - Buffers are never allocated, marked or dropped inside a compiled or captured region.
@@ -25,8 +25,8 @@ import torch
 from attrs import define, field, frozen
 from transformers.cache_utils import EncoderDecoderCache, StaticLayer
 
-from cachelife import buffers, reorder
-from cachelife.buffers import Buffers, PinSpec
+from cachelife.core import buffers, reorder
+from cachelife.core.buffers import Buffers, PinSpec
 from cachelife.errors import IllegalTransitionError, UnmarkedBuffersError, UnpinnedCacheError, UnsupportedCacheError
 
 logger = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class LayerLifecycle:
 
     def _illegal(self, event: Event) -> IllegalTransitionError:
         key = (type(self._state), event)
-        fix = _FIXES.get(key, "see cachelife.layer_lifecycle.TRANSITIONS for the legal transitions")
+        fix = _FIXES.get(key, "see cachelife.core.layer_lifecycle.TRANSITIONS for the legal transitions")
         msg = f"cannot {event} {self.describe()}: it is {type(self._state).__name__}; {fix}"
         return IllegalTransitionError(msg)
 

@@ -25,10 +25,10 @@ from typing import TypeAlias
 import torch
 from attrs import define, field, frozen
 
-from cachelife import buffers
-from cachelife.buffers import PinSpec
-from cachelife.cache_lifecycle import CacheLifecycle, ManagedCache, lifecycle
-from cachelife.layer_lifecycle import Unallocated
+from cachelife.core import buffers
+from cachelife.core.buffers import PinSpec
+from cachelife.core.cache_lifecycle import CacheLifecycle, ManagedCache, lifecycle
+from cachelife.core.layer_lifecycle import Unallocated
 
 logger = logging.getLogger(__name__)
 

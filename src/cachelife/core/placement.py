@@ -7,7 +7,7 @@ device for a model whose layers are spread over several (`from_pretrained(..., d
 A cross-attention cache layer lives with the decoder layer that reads it.
 
 Under tensor parallelism each rank is one process on one device, so `model.device` applies; its share of
-the heads is a matter of shapes (`cachelife.shapes`).
+the heads is a matter of shapes (`cachelife.core.shapes`).
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 from transformers import CompileConfig
 
-from cachelife import zoo
-from cachelife.cache_lifecycle import CacheLifecycle, lifecycle
-from cachelife.call_arguments import find_cache
-from cachelife.compiled import compile_forward
-from cachelife.enabling import enable
-from cachelife.layer_lifecycle import Filled, Pinned
+from cachelife.core.cache_lifecycle import CacheLifecycle, lifecycle
+from cachelife.core.layer_lifecycle import Filled, Pinned
+from cachelife.integration.call_arguments import find_cache
+from cachelife.integration.compiled import compile_forward
+from cachelife.integration.enabling import enable
+from cachelife.tools import zoo
 
 CompileMode: TypeAlias = Literal["forward", "auto"]
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from attrs import asdict, frozen
 
-from cachelife.compile_cache import base_tag
 from cachelife.errors import CompileArtifactsFormatError, CompileArtifactsMismatchError, NoCompileArtifactsError
+from cachelife.integration.compile_cache import base_tag
 from cachelife.version import __version__
 
 logger = logging.getLogger(__name__)

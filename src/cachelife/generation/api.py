@@ -1,0 +1,81 @@
+"""`cachelife.generate`: `model.generate`'s tokens from a compiled, graph-captured decoding loop.
+
+`generate(model, **kwargs)` takes what `model.generate` takes and returns what it returns (the token
+tensor). transformers' `generate` prepares the call as always; cachelife replaces only the decoding loop
+(`cachelife.generation.loop`): logits processors (`processors`), greedy search and sampling (`greedy`) and
+beam search (`beams`) run inside one compiled step on pinned caches. What it does not implement
+(`arguments`) falls back to `model.generate` with one WARNING naming the feature, or raises
+`UnsupportedGenerationError` with `fallback=False`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from cachelife.errors import InvalidArgumentError
+from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
+from cachelife.generation.loop import CudaGraphs, LoopSettings, decoding_method, fall_back
+from cachelife.integration.compiled import checked_options
+
+
+def generate(
+    model: PreTrainedModel,
+    *,
+    fallback: bool = True,
+    steps_per_call: int = 1,
+    stop_check_every: int = 8,
+    compile_step: bool = True,
+    generator: torch.Generator | None = None,
+    cuda_graphs: CudaGraphs = "cachelife",
+    compile_options: Mapping[str, str | int | bool] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | ModelOutput:
+    """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
+    whatever `model.generate(**kwargs)` returns).
+
+    `steps_per_call` decoding steps run per replay of the step's CUDA graph (per call of the compiled function
+    without one); the host checks for the end every `stop_check_every` steps; `compile_step=False` runs the
+    same step function eagerly; `generator` (a `torch.Generator` on the model's device) seeds sampling
+    (exponential race; tokens are reproducible, not equal to `generate`'s multinomial draws; without one, a
+    generator seeded from torch's global RNG). On a CUDA device, `cuda_graphs="cachelife"` captures
+    `steps_per_call` calls of a one-step compiled function in one CUDA graph and replays it
+    (`cachelife.generation.graphs`); `"torch"` compiles a `steps_per_call`-step function in torch's
+    "reduce-overhead" mode (cudagraph trees) instead. `compile_options` are inductor options added to the
+    step's compilation (`torch.compile(options=)`; each set of options compiles its own step), for example
+    `{"max_autotune_gemm": True}`; README.md's "Faster kernels" says which ones were measured to help.
+    """
+    if min(steps_per_call, stop_check_every) < 1:
+        msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
+        raise ValueError(msg)
+    if cuda_graphs not in ("cachelife", "torch"):
+        msg = f"cuda_graphs must be 'cachelife' or 'torch', got {cuda_graphs!r}"
+        raise ValueError(msg)
+    options = checked_options(compile_options)
+    if options and not compile_step:
+        msg = f"compile_options={dict(options)!r} need compile_step=True: the step runs eagerly without it"
+        raise InvalidArgumentError(msg)
+    feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
+    if feature is not None:
+        fall_back(feature, fallback)
+        return model.generate(**kwargs)
+    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options)
+    called: list[bool] = []
+    output = _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True))))
+    if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
+        fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback)
+    return output
+
+
+def _tokens(output: object) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        msg = f"generate returned a {type(output).__name__}, expected the token tensor"
+        raise TypeError(msg)
+    return output
+
+
+__all__ = ["generate"]
