@@ -78,7 +78,7 @@ def full(session: nox.Session, transformers: str) -> None:
 def fuzz(session: nox.Session) -> None:
     """The stateful property tests with the long `fuzz` hypothesis profile (1500 examples of up to 60 steps)."""
     install(session)
-    pytest(session, "not gpu", "tests/test_state_machine.py", env={"HYPOTHESIS_PROFILE": "fuzz"})
+    pytest(session, "not gpu", "tests/core/test_state_machine.py", env={"HYPOTHESIS_PROFILE": "fuzz"})
 
 
 @nox.session(default=False)

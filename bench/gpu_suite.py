@@ -410,14 +410,14 @@ def run_bench(stage: str, found: dict[str, str], work: Path, out: Path, deadline
 
 
 def multidevice(found: dict[str, str], work: Path) -> dict[str, Any]:
-    """The two-GPU device_map tests (tests/test_multidevice.py, gpu marker) on every transformers version."""
+    """The two-GPU device_map tests (tests/core/test_multidevice.py, gpu marker) on every transformers version."""
     results: dict[str, Any] = {}
     for version, path in found.items():
         junit = work / f"junit-multidevice-{version}.xml"
         log = work / f"pytest-multidevice-{version}.log"
         command = [
             sys.executable, "-m", "pytest", "-m", "gpu", "-k", "not tensor_parallel", "-p", "no:cacheprovider",
-            "-p", "no:benchmark", "-rA", "-s", f"--junitxml={junit}", str(ROOT / "tests" / "test_multidevice.py"),
+            "-p", "no:benchmark", "-rA", "-s", f"--junitxml={junit}", str(ROOT / "tests" / "core" / "test_multidevice.py"),
         ]  # fmt: skip
         with log.open("w") as sink:
             env = environment(path, every_gpu=True)

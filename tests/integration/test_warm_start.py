@@ -25,7 +25,7 @@ import torch
 import cachelife
 from cachelife.integration.warm_start import MAGIC
 
-SOURCE = Path(__file__).resolve().parents[1] / "src"
+SOURCE = Path(__file__).resolve().parents[2] / "src"
 PAYLOAD = b"torch's serialized artifacts\n\x00\x01 with any bytes"
 
 

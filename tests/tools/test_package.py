@@ -17,7 +17,7 @@ import pytest
 import cachelife
 from cachelife.tools.cli import main, program_name
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 SOURCE = str(Path(cachelife.__file__).resolve().parents[1])
 
 

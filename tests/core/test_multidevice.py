@@ -32,7 +32,7 @@ from cachelife.tools import zoo
 
 NEW_TOKENS = 6
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Where each zoo family keeps its decoder layers (the module path `decoder_layer_list` must find).
 LAYER_LISTS = {"t5": "decoder.block", "bart": "model.decoder.layers", "whisper": "model.decoder.layers",
                "llama": "model.layers"}  # fmt: skip
