@@ -46,7 +46,6 @@ import cachelife
 from bench.results_file import DEFAULT_OUT, header, results_path
 from bench.timing import kernels_per_step, timed
 from cachelife.generation import loop
-from cachelife.generation.graphs import graphs_of
 from cachelife.generation.loop import CudaGraphs
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
@@ -160,7 +159,7 @@ _MODELS: dict[str, object] = {}
 def _captures(model_kind: str) -> int:
     """Graphs cachelife captured so far for the model of that kind in this measurement (0 if none)."""
     model = _MODELS.get(model_kind)
-    return 0 if model is None else graphs_of(model).captures
+    return 0 if model is None else cachelife.runtime_of(model).captures
 
 
 def with_full_guards(run: Run, tokens: int) -> torch.Tensor:

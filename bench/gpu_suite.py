@@ -417,7 +417,8 @@ def multidevice(found: dict[str, str], work: Path) -> dict[str, Any]:
         log = work / f"pytest-multidevice-{version}.log"
         command = [
             sys.executable, "-m", "pytest", "-m", "gpu", "-k", "not tensor_parallel", "-p", "no:cacheprovider",
-            "-p", "no:benchmark", "-rA", "-s", f"--junitxml={junit}", str(ROOT / "tests" / "core" / "test_multidevice.py"),
+            "-p", "no:benchmark", "-rA", "-s", f"--junitxml={junit}",
+            str(ROOT / "tests" / "core" / "test_multidevice.py"),
         ]  # fmt: skip
         with log.open("w") as sink:
             env = environment(path, every_gpu=True)

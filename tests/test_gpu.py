@@ -25,7 +25,6 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife.core.buffers import PinSpec
 from cachelife.errors import CompiledRegionError
-from cachelife.generation.graphs import graphs_of
 from cachelife.generation.loop import CudaGraphs
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.guard import DecodingGuard
@@ -160,7 +159,7 @@ def test_boundary_checks_never_synchronise_with_the_device() -> None:
     model = built.model
     cache = cachelife.prepare_static_cache(model, batch_size=2, max_cache_len=16, encoder_length=9)
     assert isinstance(cache, EncoderDecoderCache)
-    guard = DecodingGuard(on_unpinned="pin", pool=None)
+    guard = DecodingGuard(on_unpinned="pin", pool_bytes=0)
     inputs = built.inputs(2, 9, 1)
     with torch.no_grad():
         encoder_outputs = model.get_encoder()(**inputs)
@@ -226,7 +225,7 @@ def test_cachelife_generate_is_graph_captured_and_equals_generate(name: str, cud
         zoo.generate_tokens(model, inputs, **shorter),
     )
     start = CudaGraphHealth.now()
-    record = graphs_of(model)
+    record = cachelife.runtime_of(model)
     for steps in (1, 2):
         calls = []
         for index in range(3):
@@ -259,7 +258,7 @@ def test_cachelife_generate_with_fast_kernels_is_graph_captured_and_equals_gener
     inputs = built.inputs(2, 9, 1)
     settings = GENERATE_CASES["whisper"]
     expected = zoo.generate_tokens(model, inputs, **settings)
-    start, record = CudaGraphHealth.now(), graphs_of(model)
+    start, record = CudaGraphHealth.now(), cachelife.runtime_of(model)
     calls = [
         cachelife.generate(model, fallback=False, compile_options=cachelife.FAST_KERNELS, **inputs, **settings)
         for _ in range(3)

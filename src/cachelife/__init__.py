@@ -37,6 +37,7 @@ from cachelife.errors import (
     CompileArtifactsFormatError,
     CompileArtifactsMismatchError,
     CompiledRegionError,
+    EnabledModelPickleError,
     IllegalTransitionError,
     InvalidArgumentError,
     InvalidBucketsError,
@@ -53,7 +54,16 @@ from cachelife.generation.api import generate
 from cachelife.generation.decode import decode
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import FAST_KERNELS, compile_forward, restore_forward
-from cachelife.integration.enabling import CacheLifecycleMixin, disable, enable, is_enabled, pool_of, release_pool
+from cachelife.integration.enabling import (
+    CacheLifecycleMixin,
+    disable,
+    enable,
+    is_enabled,
+    pool_of,
+    release,
+    release_pool,
+)
+from cachelife.integration.runtime import ModelRuntime, Released, runtime_of
 from cachelife.integration.warm_start import (
     CompileArtifactsHeader,
     load_compile_artifacts,
@@ -78,6 +88,7 @@ __all__ = [
     "CompileArtifactsMismatchError",
     "CompiledRegionError",
     "DeclaresCacheShapes",
+    "EnabledModelPickleError",
     "FillRecord",
     "Filled",
     "IllegalTransitionError",
@@ -86,10 +97,12 @@ __all__ = [
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
+    "ModelRuntime",
     "NoCompileArtifactsError",
     "NoStorage",
     "PinSpec",
     "Pinned",
+    "Released",
     "ReplacedBuffersError",
     "Unallocated",
     "UnmarkedBuffersError",
@@ -116,8 +129,10 @@ __all__ = [
     "pool_of",
     "prepare_static_cache",
     "read_compile_artifacts_header",
+    "release",
     "release_pool",
     "restore_forward",
+    "runtime_of",
     "save_compile_artifacts",
 ]
 

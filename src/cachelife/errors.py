@@ -46,8 +46,14 @@ class UnsupportedGenerationError(CacheLifecycleError, ValueError):
     buckets for a model whose cross-attention would not ignore the padding)."""
 
 
-class InvalidArgumentError(CacheLifecycleError, ValueError):
-    """An argument is outside what the function accepts (a count below 1, an unknown option, ...)."""
+class InvalidArgumentError(CacheLifecycleError, ValueError, TypeError):
+    """An argument of the wrong type, or outside what the function accepts (a count below 1, an unknown
+    option, ...); also a `TypeError`, so that either `except` catches it."""
+
+
+class EnabledModelPickleError(CacheLifecycleError, TypeError):
+    """An enabled model was pickled (`torch.save(model)`, `pickle.dumps`): disable it first, or save its
+    `state_dict()`."""
 
 
 class InvalidBucketsError(CacheLifecycleError, ValueError):

@@ -1,4 +1,4 @@
-"""Checks of plain arguments, written once: is this an int of at least some size?
+"""Checks of plain arguments, written once: is this an int of at least some size, is this a bool?
 
 `bool` is an `int` in Python, but never a count: `True` is refused wherever an int is asked for.
 """
@@ -32,3 +32,19 @@ def check_int(
     wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     msg = f"{name} must be {wanted}{' ' + note if note else ''}, got {value!r}"
     raise error(msg)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a bool, else `InvalidArgumentError` naming `name` and the value."""
+    if isinstance(value, bool):
+        return value
+    msg = f"{name} must be True or False, got {value!r}"
+    raise InvalidArgumentError(msg)
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`, else `InvalidArgumentError` naming them."""
+    if isinstance(value, str) and value in choices:
+        return value
+    msg = f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+    raise InvalidArgumentError(msg)

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers.cache_utils import EncoderDecoderCache, StaticCache
+from transformers import PreTrainedModel
+from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
 from cachelife.core import buffers, reorder
@@ -157,12 +158,12 @@ def test_pool_keys_distinguish_every_buffer_property() -> None:
     assert CachePool().lease(pool_key(state, [base, base])) is None
 
 
-def test_a_cache_kept_only_by_a_reference_cycle_is_collected_and_its_buffers_reused() -> None:
-    # torch.compile traces leave the traced cache in reference cycles until the collector runs.
+def test_a_cache_kept_only_by_a_reference_cycle_comes_back_once_the_collector_ran_and_lease_runs_none() -> None:
+    # torch.compile traces leave the traced cache in reference cycles until the collector runs; the pool does
+    # not run it on a lease (cachelife collects once after a call that compiled, see cachelife.release's docs).
     built = zoo.build("llama")
     model = built.model
     cachelife.enable(model)
-    addresses = Addresses(model)
     gc.disable()
     try:
         out = model.generate(
@@ -173,9 +174,56 @@ def test_a_cache_kept_only_by_a_reference_cycle_is_collected_and_its_buffers_reu
         cycle.append(cycle)
         del out, cycle
         zoo.generate_tokens(model, built.inputs(2, 9, 2), **SETTINGS, cache_implementation="static")
+        pool = cachelife.pool_of(model)
+        assert pool is not None
+        assert (pool.hits, pool.misses) == (0, 2)  # the first cache is still reachable, through the cycle
+        gc.collect()
+        zoo.generate_tokens(model, built.inputs(2, 9, 3), **SETTINGS, cache_implementation="static")
     finally:
         gc.enable()
+    assert (pool.hits, pool.misses) == (1, 2)
+
+
+def _kept_cache_tensor(model: PreTrainedModel, inputs: dict[str, Any], how: str) -> torch.Tensor:
+    """A tensor of the first layer of a returned cache, held the way `how` says, the cache itself dropped."""
+    out = model.generate(**inputs, **SETTINGS, cache_implementation="static", return_dict_in_generate=True)
+    assert not isinstance(out, torch.Tensor)
+    cache = out.get("cache", out.get("past_key_values"))
+    layer = cachelife.lifecycle(cache).self_attention[0].layer
+    assert isinstance(layer, StaticLayer)
+    assert layer.keys is not None
+    held = {"tensor": layer.keys, "view": layer.keys[:, :, :4], "length": layer.cumulative_length}[how]
+    del out, cache, layer
+    return held
+
+
+@pytest.mark.parametrize("how", ["tensor", "view", "length"])
+def test_a_tensor_a_caller_keeps_from_a_dropped_cache_is_never_overwritten(how: str) -> None:
+    built = zoo.build("llama")
+    model = cachelife.enable(built.model)
+    held = _kept_cache_tensor(model, built.inputs(2, 9, 1), how)
+    content = held.clone()
+    zoo.generate_tokens(model, built.inputs(2, 9, 2), **SETTINGS, cache_implementation="static")
+    assert torch.equal(held, content)
     pool = cachelife.pool_of(model)
     assert pool is not None
-    assert (pool.hits, pool.misses) == (1, 1)
-    assert addresses.seen[0] == addresses.seen[1]
+    assert pool.hits == 0  # the set the caller still reaches was not lent again
+    del held
+    zoo.generate_tokens(model, built.inputs(2, 9, 3), **SETTINGS, cache_implementation="static")
+    assert pool.hits == 1  # once nothing reaches it, it is reused
+
+
+def test_lease_runs_no_garbage_collection_when_callers_keep_their_outputs() -> None:
+    built = zoo.build("llama")
+    model = cachelife.enable(built.model)
+    collections = gc.get_stats()[2]["collections"]
+    kept = [
+        model.generate(
+            **built.inputs(2, 9, seed), **SETTINGS, cache_implementation="static", return_dict_in_generate=True
+        )
+        for seed in range(4)
+    ]
+    assert gc.get_stats()[2]["collections"] == collections
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert (pool.hits, pool.misses, len(kept)) == (0, 4, 4)

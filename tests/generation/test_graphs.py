@@ -18,7 +18,6 @@ import torch
 
 import cachelife
 from cachelife.generation import graphs, loop
-from cachelife.generation.graphs import graphs_of
 from cachelife.tools import zoo
 
 NEW = 12
@@ -91,7 +90,7 @@ WHISPER: dict[str, Any] = {
 @pytest.mark.usefixtures("recorded")
 def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
     built = whisper()
-    record = graphs_of(built.model)
+    record = cachelife.runtime_of(built.model)
     for steps in (1, 3):
         free = check(built, steps=steps, **WHISPER)
         captured = record.captures
@@ -116,7 +115,7 @@ def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
 @pytest.mark.usefixtures("recorded")
 def test_beam_graph_is_reused_across_lengths() -> None:
     built = bart()
-    record = graphs_of(built.model)
+    record = cachelife.runtime_of(built.model)
     settings: dict[str, Any] = {
         "max_new_tokens": NEW, "num_beams": 3, "num_return_sequences": 2, "length_penalty": 2.0,
         "no_repeat_ngram_size": 2, "early_stopping": True,
@@ -131,25 +130,25 @@ def test_beam_graph_is_reused_across_lengths() -> None:
 
 
 @pytest.mark.usefixtures("recorded")
-def test_other_buffers_get_their_own_graph_and_old_graphs_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(graphs, "KEPT", 2)
+def test_other_buffers_get_their_own_graph_and_old_graphs_are_dropped() -> None:
     first, second = whisper(), whisper()
+    cachelife.runtime_of(first.model).graphs.limit = 2
     check(first, max_new_tokens=NEW)
     check(second, max_new_tokens=NEW)  # other parameters and caches: not the first model's graph
-    assert (graphs_of(first.model).captures, graphs_of(second.model).captures) == (1, 1)
+    assert (cachelife.runtime_of(first.model).captures, cachelife.runtime_of(second.model).captures) == (1, 1)
     for rows in (1, 3):  # other shapes: other state buffers
         inputs = first.inputs(rows, 9, 1)
         got = cachelife.generate(first.model, fallback=False, max_new_tokens=NEW, **inputs)
         assert isinstance(got, torch.Tensor)
         assert torch.equal(got, zoo.generate_tokens(first.model, inputs, max_new_tokens=NEW))
-    assert graphs_of(first.model).captures == 3
-    assert len(graphs_of(first.model).graphs) == 2
+    assert cachelife.runtime_of(first.model).captures == 3
+    assert len(cachelife.runtime_of(first.model).graphs) == 2
 
 
 @pytest.mark.usefixtures("recorded")
 def test_a_step_compiled_with_other_options_gets_its_own_graph() -> None:
     built = whisper()
-    inputs, record = built.inputs(2, 9, 1), graphs_of(built.model)
+    inputs, record = built.inputs(2, 9, 1), cachelife.runtime_of(built.model)
     expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=NEW)
     for options, captures in ((None, 1), (cachelife.FAST_KERNELS, 2), (None, 2), (cachelife.FAST_KERNELS, 2)):
         got = cachelife.generate(built.model, fallback=False, compile_options=options, max_new_tokens=NEW, **inputs)
@@ -171,7 +170,7 @@ def test_sampling_in_graphs_is_reproducible_and_draws_as_without_graphs() -> Non
         return out
 
     graphed = sample()
-    assert graphs_of(built.model).captures == 1
+    assert cachelife.runtime_of(built.model).captures == 1
     assert torch.equal(sample(), graphed)
     assert torch.equal(sample(compile_step=False), graphed)  # no graph, the same draws at one step per call
     assert not torch.equal(sample(seed=8), graphed)  # the draws matter: not greedy in disguise
@@ -188,7 +187,7 @@ def test_compiled_step_in_recorded_graphs_equals_generate(monkeypatch: pytest.Mo
         check(built, steps=steps, **WHISPER)
         check(built, steps=steps, **{**WHISPER, "max_new_tokens": NEW - 3})
     check(built, steps=2, **WHISPER, num_beams=3)
-    assert graphs_of(built.model).captures == 3
+    assert cachelife.runtime_of(built.model).captures == 3
 
 
 @pytest.mark.usefixtures("recorded")
@@ -202,6 +201,8 @@ def test_a_model_without_pool_is_warned_once(caplog: pytest.LogCaptureFixture) -
     assert "is not enabled" in warnings[0]
     cachelife.enable(built.model)
     check(built, max_new_tokens=NEW)
-    captured = graphs_of(built.model).captures
+    captured = cachelife.runtime_of(built.model).captures
     check(built, max_new_tokens=NEW)
-    assert graphs_of(built.model).captures == captured  # the pool's buffers: the same addresses, the same graph
+    assert (
+        cachelife.runtime_of(built.model).captures == captured
+    )  # the pool's buffers: the same addresses, the same graph

@@ -1,21 +1,23 @@
 """Pinned buffers kept across `generate` calls, so compiled decoding sees the same addresses every time.
 
 transformers builds a fresh static cache for every `generate` call. Fresh buffers get new addresses, and
-CUDA-graph trees re-record every graph whose static inputs moved. The pool hands the buffers a cache
-pinned last time to the next cache of the same shape: `CachePool.pin(cache, specs)` leases a set, pins the
-new cache's layers with those tensors, zeroed in place (`CacheLifecycle.pin_specs(..., reuse=...)`), and
-lends the set to the cache.
+CUDA graphs re-record (or, for cachelife's own graphs, are captured again) whenever their static inputs moved.
+The pool hands the buffers a cache pinned last time to the next cache of the same shape:
+`CachePool.pin(cache, specs)` leases a set, pins the new cache's layers with those tensors, zeroed in place
+(`CacheLifecycle.pin_specs(..., reuse=...)`), and lends the set to the cache.
 
-A buffer set is leased to one cache at a time and comes back when that cache object is garbage-collected,
-so a cache a caller keeps (returned by `generate(..., return_dict_in_generate=True)`, say) is never
-overwritten: the next call gets other buffers. Idle sets are kept up to `budget_bytes`, least recently
-used evicted first; `clear()` drops them all.
+A set lent to a cache is the cache's while the cache lives. When the cache is garbage-collected the set comes
+back, but it is reused only once nothing outside the pool reaches any of its tensors: a caller that keeps
+`k = out.past_key_values.layers[0].keys`, a view of it, or the whole cache keeps that set out of use (checked at
+each lease from the tensors' reference counts and their storages' use counts, exact in CPython; no garbage
+collection is run). Returned sets are kept up to `budget_bytes`, least recently returned evicted first;
+`clear()` drops them all.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -76,6 +78,32 @@ def pool_key(state: CacheLifecycle, specs: Sequence[PinSpec | None]) -> PoolKey:
     return tuple(key)
 
 
+def _outside_references(tensor: torch.Tensor) -> tuple[int, int]:
+    """The tensor's Python reference count and its storage's use count, as seen from here."""
+    use_count = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    return sys.getrefcount(tensor), int(use_count)
+
+
+def _unreached_baseline() -> tuple[int, int]:
+    """What `_outside_references` reads for a tensor that only a `BufferSet` mapping holds."""
+    holder = {"keys": torch.zeros(1)}
+    return _outside_references(holder["keys"])
+
+
+_UNREACHED = _unreached_baseline()
+
+
+def is_unreached(entry: BufferSet) -> bool:
+    """Whether only the pool reaches `entry`'s tensors: no other reference to any of them or to their storage
+    (a cache, a caller's variable, a view)."""
+    for layer in entry.tensors:
+        for name in layer:
+            counts = _outside_references(layer[name])
+            if counts[0] > _UNREACHED[0] or counts[1] > _UNREACHED[1]:
+                return False
+    return True
+
+
 @define(eq=False)
 class CachePool:
     """Idle pinned buffer sets by shape, under a byte budget, least recently used evicted first."""
@@ -83,26 +111,32 @@ class CachePool:
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     hits: int = 0
     misses: int = 0
-    _idle: OrderedDict[int, BufferSet] = field(factory=OrderedDict, alias="idle")
-    # Buffer sets lent to caches that are still alive, by shape.
-    _lent: dict[PoolKey, int] = field(factory=dict, alias="lent")
+    # Sets whose cache is gone, least recently returned first (a caller may still reach some of their tensors).
+    _returned: OrderedDict[int, BufferSet] = field(factory=OrderedDict, alias="returned")
     _lock: threading.Lock = field(factory=threading.Lock, alias="lock")
 
     @property
     def idle_bytes(self) -> int:
-        """Bytes held by idle buffer sets (leased sets belong to their caches)."""
+        """Bytes held by sets whose cache is gone (lent sets belong to their caches)."""
         with self._lock:
-            return sum(entry.nbytes for entry in self._idle.values())
+            return sum(entry.nbytes for entry in self._returned.values())
 
     @property
     def idle_sets(self) -> int:
+        """Sets whose cache is gone, free for the next cache of their shape once nothing else reaches them."""
         with self._lock:
-            return len(self._idle)
+            return len(self._returned)
+
+    def __repr__(self) -> str:
+        return (
+            f"CachePool({self.idle_sets} idle set(s), {self.idle_bytes} of {self.budget_bytes} bytes, "
+            f"{self.hits} hit(s), {self.misses} miss(es))"
+        )
 
     def pin(self, cache: ManagedCache, specs: Sequence[PinSpec | None]) -> CacheLifecycle:
         """Pin `cache` for `specs` (one per layer, as `CacheLifecycle.pin_specs` takes them) with the buffers
-        of an idle set of the same shape if there is one, else new ones, and lend that set to the cache until
-        it is garbage-collected. If pinning fails, a leased set goes back idle. A cache with a layer pinned
+        of a free set of the same shape if there is one, else new ones, and lend that set to the cache until
+        it is garbage-collected. If pinning fails, a leased set goes back. A cache with a layer pinned
         already is pinned without the pool: its buffers are not one set."""
         state = lifecycle(cache)
         if not all(isinstance(layer.state, Unallocated) for layer in state.storage_layers):
@@ -120,54 +154,37 @@ class CachePool:
         return state
 
     def lease(self, key: PoolKey) -> BufferSet | None:
-        """Take the most recently returned idle set of this shape, if any.
-
-        When none is idle but a set of this shape is still lent, its cache may be garbage kept only by
-        reference cycles: a `torch.compile` trace keeps the objects it traced (the cache among them) in
-        cycles until the collector runs, so right after a compilation the previous call's cache is not
-        yet returned. One `gc.collect()` then gives it back, instead of re-recording every CUDA graph on
-        new addresses. It runs only on such a miss, never in steady state.
-        """
-        entry = self._take(key)
-        if entry is None and self._lent.get(key, 0) > 0:
-            gc.collect()
-            entry = self._take(key)
+        """Take the most recently returned set of this shape that nothing outside the pool reaches, if any."""
         with self._lock:
-            if entry is None:
+            found = None
+            for identity in reversed(self._returned):
+                entry = self._returned[identity]
+                if entry.key == key and is_unreached(entry):
+                    found = self._returned.pop(identity)
+                    break
+            if found is None:
                 self.misses += 1
             else:
                 self.hits += 1
-        return entry
-
-    def _take(self, key: PoolKey) -> BufferSet | None:
-        with self._lock:
-            for identity in reversed(self._idle):
-                if self._idle[identity].key == key:
-                    return self._idle.pop(identity)
-            return None
+            return found
 
     def lend(self, owner: object, entry: BufferSet) -> None:
-        """Mark `entry` as used by `owner` (a cache); it returns to the pool when `owner` is collected."""
-        with self._lock:
-            self._lent[entry.key] = self._lent.get(entry.key, 0) + 1
+        """Mark `entry` as used by `owner` (a cache); it comes back when `owner` is collected."""
         weakref.finalize(owner, self.give_back, entry)
 
     def clear(self) -> None:
-        """Drop every idle set (memory goes back to PyTorch's allocator); leased sets are untouched."""
+        """Drop every returned set (memory goes back to PyTorch's allocator); lent sets are untouched."""
         with self._lock:
-            self._idle.clear()
+            self._returned.clear()
 
     def give_back(self, entry: BufferSet) -> None:
-        """Return a set to the idle list (it must no longer be used), evicting beyond the budget."""
+        """Return a set whose cache is gone, evicting the least recently returned beyond the budget."""
         with self._lock:
-            self._lent[entry.key] = max(0, self._lent.get(entry.key, 0) - 1)
             if self.budget_bytes <= 0 or entry.nbytes > self.budget_bytes:
                 return
-            self._idle[id(entry)] = entry
-            total = sum(idle.nbytes for idle in self._idle.values())
+            self._returned[id(entry)] = entry
+            total = sum(returned.nbytes for returned in self._returned.values())
             while total > self.budget_bytes:
-                _, evicted = self._idle.popitem(last=False)
+                _, evicted = self._returned.popitem(last=False)
                 total -= evicted.nbytes
-                logger.debug(
-                    "pool: evicted an idle buffer set of %d bytes (budget %d)", evicted.nbytes, self.budget_bytes
-                )
+                logger.debug("pool: evicted a buffer set of %d bytes (budget %d)", evicted.nbytes, self.budget_bytes)

@@ -21,6 +21,8 @@ from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
 from cachelife.generation.loop import CudaGraphs, LoopSettings, decoding_method, fall_back
 from cachelife.integration.compiled import checked_options
+from cachelife.integration.runtime import collecting_after_compilation, runtime_of
+from cachelife.validate import check_bool, check_choice, check_int
 
 
 def generate(
@@ -49,26 +51,51 @@ def generate(
     step's compilation (`torch.compile(options=)`; each set of options compiles its own step), for example
     `{"max_autotune_gemm": True}`; README.md's "Faster kernels" says which ones were measured to help.
     """
-    if min(steps_per_call, stop_check_every) < 1:
-        msg = f"steps_per_call and stop_check_every must be >= 1, got {steps_per_call} and {stop_check_every}"
-        raise ValueError(msg)
-    if cuda_graphs not in ("cachelife", "torch"):
-        msg = f"cuda_graphs must be 'cachelife' or 'torch', got {cuda_graphs!r}"
-        raise ValueError(msg)
+    check_model(model)
+    check_bool("fallback", fallback)
+    check_int("steps_per_call", steps_per_call)
+    check_int("stop_check_every", stop_check_every)
+    check_bool("compile_step", compile_step)
+    check_choice("cuda_graphs", cuda_graphs, ("cachelife", "torch"))
+    check_generator(generator, model)
     options = checked_options(compile_options)
     if options and not compile_step:
         msg = f"compile_options={dict(options)!r} need compile_step=True: the step runs eagerly without it"
         raise InvalidArgumentError(msg)
-    feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
-    if feature is not None:
-        fall_back(feature, fallback)
-        return model.generate(**kwargs)
-    settings = LoopSettings(steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options)
-    called: list[bool] = []
-    output = _tokens(model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True))))
-    if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
-        fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback)
-    return output
+    runtime = runtime_of(model)
+    with runtime.lock, collecting_after_compilation():
+        feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
+        if feature is not None:
+            fall_back(feature, fallback)
+            return model.generate(**kwargs)
+        settings = LoopSettings(
+            steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options
+        )
+        called: list[bool] = []
+        output = model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True)))
+        if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
+            fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback)
+        return _tokens(output)
+
+
+def check_model(model: object) -> None:
+    if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
+        msg = f"cachelife.generate needs a transformers generation model (a PreTrainedModel), got {model!r:.80}"
+        raise InvalidArgumentError(msg)
+
+
+def check_generator(generator: object, model: PreTrainedModel) -> None:
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        msg = f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r:.80}"
+        raise InvalidArgumentError(msg)
+    if generator.device.type != model.device.type:
+        msg = (
+            f"generator must be on the model's device ({model.device}), got a generator on {generator.device}: "
+            f"torch.Generator(device={str(model.device)!r}).manual_seed(seed)"
+        )
+        raise InvalidArgumentError(msg)
 
 
 def _tokens(output: object) -> torch.Tensor:

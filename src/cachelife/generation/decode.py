@@ -22,7 +22,6 @@ cross-attention cache shape and one compiled step.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import call_step
 from cachelife.integration.enabling import pool_of
+from cachelife.integration.runtime import runtime_of
 from cachelife.validate import is_int_at_least
 
 # Generation-config fields whose logits processors this loop does not apply, with their neutral values.
@@ -59,7 +59,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 
 StepFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, StepFunction] = weakref.WeakKeyDictionary()
 
 
 def decode(
@@ -96,7 +95,7 @@ def decode(
     # The first token comes from prefill, the rest in whole calls of `steps_per_call` steps; tokens past
     # max_new_tokens are decoded (the cache holds them) and dropped.
     calls = -(-(max_new_tokens - 1) // steps_per_call)
-    with torch.no_grad(), pinned_compile_cache():
+    with runtime_of(model).lock, torch.no_grad(), pinned_compile_cache():
         prompt, step_inputs, first_logits = _prefill(model, inputs, 1 + calls * steps_per_call, buckets)
         batch = prompt.shape[0]
         noise = _Noise(generator if do_sample else None, steps_per_call, batch, first_logits.shape[-1], model.device)
@@ -263,12 +262,11 @@ def _decode_n_tokens(
 def _compiled_steps(model: PreTrainedModel) -> StepFunction:
     """The compiled steps of this model (CUDA graphs on a GPU, inductor elsewhere), compiled once per
     `steps`."""
-    compiled = _COMPILED.get(model)
-    if compiled is None:
+    functions = runtime_of(model).compiled
+    if ("decode",) not in functions:
         mode = "reduce-overhead" if model.device.type == "cuda" else "default"
-        compiled = torch.compile(_decode_n_tokens, mode=mode, fullgraph=True)
-        _COMPILED[model] = compiled
-    return compiled
+        functions[("decode",)] = torch.compile(_decode_n_tokens, mode=mode, fullgraph=True)
+    return functions[("decode",)]
 
 
 def _trim_after_all_ended(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,8 @@
 
 torch.compile's "reduce-overhead" mode replays a graph on every call of the compiled function through
 cudagraph trees, whose host work per call (dynamo's frame, the runtime wrappers, checks and copies of the
-inputs, bookkeeping of the outputs) can outlast the GPU's work: on an H200, whisper-large-v3 with 5 beams took
-5.18 ms per step that way against 3.20 ms here, t5-base at batch 8 1.11 against 0.76 ms (README.md). Here
-the step is compiled without CUDA graphs, and `steps_per_call` calls of it are captured once in one
+inputs, bookkeeping of the outputs) can outlast the GPU's work on a decoding step. Here the step is compiled
+without CUDA graphs, and `steps_per_call` calls of it are captured once in one
 `torch.cuda.CUDAGraph`, then replayed with one `replay()` per `steps_per_call` steps and no Python per step.
 Several steps per graph need no unrolled compilation either.
 
@@ -13,14 +12,15 @@ passes: the addresses, shapes, strides and dtypes of what the step updates in pl
 buffers, caches, the encoder output, the model's parameters), and the structure (shapes, dtypes, non-tensor
 values) of its settings (processors, end tokens, lengths), whose tensor values may differ from call to call:
 they are copied into the captured settings' tensors before the first replay. A call with other addresses or
-other settings' structure captures a new graph; a model keeps its `KEPT` most recently used graphs.
+other settings' structure captures a new graph. The graphs, and the memory pool they share, belong to the
+model's runtime (`cachelife.integration.runtime`), which keeps the most recently used; captures run under its
+process-wide `FIRST_CALLS` lock, on one capture stream per device.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,13 +28,12 @@ import attrs
 import torch
 from attrs import define, frozen
 
+from cachelife.integration.runtime import FIRST_CALLS, runtime_of
+
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
-
-KEPT = 8
-"""Graphs kept per model, most recently used first out."""
 
 
 class Graph(Protocol):
@@ -66,6 +65,7 @@ _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    # Called under FIRST_CALLS: one capture at a time uses a device's capture stream.
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it untyped
     return _STREAMS[device]
@@ -146,23 +146,6 @@ class Captured:
     current: Callable[[], GraphedSteps | None]
 
 
-@define
-class ModelGraphs:
-    """A model's captured graphs, most recently used last, and the memory pool they share."""
-
-    pool: _POOL_HANDLE | None = None  # torch.cuda.graph_pool_handle() of the model's first capture
-    graphs: OrderedDict[tuple[object, ...], Captured] = attrs.Factory(OrderedDict)
-    captures: int = 0
-
-
-_MODELS: weakref.WeakKeyDictionary[object, ModelGraphs] = weakref.WeakKeyDictionary()
-
-
-def graphs_of(model: object) -> ModelGraphs:
-    """The graphs cachelife captured for `model` (none yet: an empty record)."""
-    return _MODELS.setdefault(model, ModelGraphs())
-
-
 def captures_on(device: torch.device) -> bool:
     return device.type in CAPTURING_DEVICES
 
@@ -190,20 +173,17 @@ class GraphedSteps:
         if self._replay is not None:
             self._replay()
             return self.calls
-        record = graphs_of(self.model)
+        runtime = runtime_of(self.model)
         settings = Leaves.of(self.settings)
         key = (self.name, self.calls, Leaves.of(self.in_place).addresses(), settings.structure, settings.layout())
-        found = record.graphs.get(key)
-        if found is not None:
-            record.graphs.move_to_end(key)
+        found = runtime.graphs.get(key)
+        if isinstance(found, Captured):
             for captured, value in zip(found.tensors, settings.tensors, strict=True):
                 if captured.data_ptr() != value.data_ptr():
                     captured.copy_(value)
             found.current = weakref.ref(self)
             self._replay = found.graph.replay
             return self.advance()
-        if record.pool is None and self.device.type == "cuda":
-            record.pool = torch.cuda.graph_pool_handle()
         entry = Captured(_NOT_CAPTURED, self.settings, settings.tensors, weakref.ref(self))
         ended = f"a {self.name} graph of {type(self.model).__name__} replayed after its call ended"
 
@@ -214,14 +194,16 @@ class GraphedSteps:
             for index in range(current.calls):
                 current.call(index, entry.settings)
 
-        entry.graph = capture(lambda: self.call(0, self.settings), calls, self.device, record.pool)
-        record.graphs[key] = entry
-        record.captures += 1
-        while len(record.graphs) > KEPT:
-            record.graphs.popitem(last=False)
+        with FIRST_CALLS:
+            if runtime.graph_memory is None and self.device.type == "cuda":
+                runtime.graph_memory = torch.cuda.graph_pool_handle()
+            memory = runtime.graph_memory
+            entry.graph = capture(lambda: self.call(0, self.settings), calls, self.device, memory)  # type: ignore[arg-type]  # a graph_pool_handle
+        runtime.graphs.put(key, entry)
+        runtime.captures += 1
         logger.debug(
             "captured a graph of %d %s step(s) for %s (%d captured, %d kept)",
-            self.calls, self.name, type(self.model).__name__, record.captures, len(record.graphs),
+            self.calls, self.name, type(self.model).__name__, runtime.captures, len(runtime.graphs),
         )  # fmt: skip
         self._replay = entry.graph.replay
         return 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -33,20 +32,17 @@ from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_st
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.processors import tensor_processors, unsupported_processor
-from cachelife.generation.states import pooled_state, static_copy
+from cachelife.generation.states import StateLeases
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import InductorOptions, call_step, mode_with
 from cachelife.integration.enabling import pool_of
+from cachelife.integration.runtime import FIRST_CALLS, runtime_of
 
 logger = logging.getLogger(__name__)
 
 StepFunction = Callable[..., None]
-_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, str], StepFunction]] = (
-    weakref.WeakKeyDictionary()
-)
 CudaGraphs = Literal["cachelife", "torch"]
-_WARNED_NO_POOL: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
 
 
 @frozen
@@ -79,6 +75,15 @@ def unsupported_criterion(criteria: StoppingCriteriaList) -> str | None:
     return None
 
 
+def unsupported_prompt(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> str | None:
+    """A prompt the loop does not decode, read from what reaches the decoding method: the attention mask
+    `generate` was given or inferred from the pad token, so that both are treated alike."""
+    mask = model_kwargs.get("attention_mask")
+    if not model.config.is_encoder_decoder and isinstance(mask, torch.Tensor) and bool((mask == 0).any()):
+        return "padded prompts for a decoder-only model (an attention_mask with zeros, passed or inferred)"
+    return None
+
+
 def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Callable[..., torch.Tensor]:
     """A decoding method for `generate(custom_generate=...)`: the compiled loop, or transformers' own
     (after the fallback warning) for processors or stopping criteria it cannot run. `on_call` runs first, so
@@ -95,7 +100,11 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
         **model_kwargs: Any,
     ) -> torch.Tensor:
         on_call()
-        feature = unsupported_processor(logits_processor) or unsupported_criterion(stopping_criteria)
+        feature = (
+            unsupported_processor(logits_processor)
+            or unsupported_criterion(stopping_criteria)
+            or unsupported_prompt(model, model_kwargs)
+        )
         if feature is not None:
             fall_back(feature, settings.fallback)
             mode = generation_config.get_generation_mode()
@@ -108,11 +117,12 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
                 msg = f"transformers' decoding method returned a {type(result).__name__}, expected tokens"
                 raise UnsupportedGenerationError(msg)
             return result
-        with pinned_compile_cache():
+        runtime = runtime_of(model)
+        with runtime.lock, StateLeases(runtime) as leases, pinned_compile_cache():
             search = _beam_search if int_field(generation_config, "num_beams") > 1 else _greedy
             return search(
                 model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
-                model_kwargs=model_kwargs,
+                model_kwargs=model_kwargs, leases=leases,
             )  # fmt: skip
 
     return decode
@@ -127,6 +137,8 @@ def _prefill(
     config: GenerationConfig,
     model_kwargs: dict[str, Any],
     cache_length: int,
+    *,
+    leases: StateLeases,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Pinned caches for `cache_length` positions, transformers' eager prefill on them, the inputs every
     step passes again (cache, encoder output and mask), and the first logits (float32)."""
@@ -135,16 +147,16 @@ def _prefill(
     pool = pool_of(model)
     step_inputs: dict[str, Any] = {}
     if model.config.is_encoder_decoder:
-        # The encoder output and its mask, copied into pooled static buffers: the same addresses every step
-        # and every call of this shape (no copy into the graph, no CUDA-graph re-recording).
-        hidden = static_copy(model, "encoder output", model_kwargs["encoder_outputs"][0])
+        # The encoder output and its mask, copied into leased static buffers: the same addresses every step
+        # and every call of this shape (no copy into the graph, no new capture).
+        hidden = leases.static_copy("encoder output", model_kwargs["encoder_outputs"][0])
         cache = prepare_static_cache(
             model, batch_size=rows, max_cache_len=cache_length, encoder_length=int(hidden.shape[1]), pool=pool
         )
         model_kwargs["encoder_outputs"] = step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
         mask = model_kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
-            model_kwargs["attention_mask"] = step_inputs["attention_mask"] = static_copy(model, "encoder mask", mask)
+            model_kwargs["attention_mask"] = step_inputs["attention_mask"] = leases.static_copy("encoder mask", mask)
     else:
         cache = prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
     for stale in ("cache", "past_key_values"):
@@ -163,7 +175,7 @@ def _input_name(model: PreTrainedModel) -> str:
 def _compiled(
     model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions
 ) -> StepFunction:
-    functions = _COMPILED.setdefault(model, {})
+    functions = runtime_of(model).compiled
     key = (name, mode, repr(sorted(extra.items())))
     if key not in functions:
         # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
@@ -193,8 +205,7 @@ def _stepper(
     steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly."""
     spc, device = settings.steps_per_call, model.device
     if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
-        if pool_of(model) is None and model not in _WARNED_NO_POOL:
-            _WARNED_NO_POOL.add(model)
+        if pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
             logger.warning(
                 "cachelife.generate: %s is not enabled (no cache pool), so its caches get new addresses on every "
                 "call and every call captures a new CUDA graph; call cachelife.enable(model) once",
@@ -214,7 +225,11 @@ def _stepper(
     calls = itertools.count()
 
     def advance() -> int:
-        call_step(step, next(calls) == 0, **arguments(0, spc, read_only))  # every call passes the first call's objects
+        if next(calls) == 0:  # every call passes the first call's objects; the first may compile
+            with FIRST_CALLS:
+                call_step(step, True, **arguments(0, spc, read_only))
+        else:
+            call_step(step, False, **arguments(0, spc, read_only))
         return spc
 
     return advance
@@ -278,12 +293,13 @@ def _greedy(
     config: GenerationConfig,
     settings: LoopSettings,
     model_kwargs: dict[str, Any],
+    leases: StateLeases,
 ) -> torch.Tensor:
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
     width = buffer_width(max_length)
-    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, width + spc)
+    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, width + spc, leases=leases)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = eos_ids(config)
     pad_tensor = special_tokens(config, "_pad_token_tensor")
@@ -295,18 +311,14 @@ def _greedy(
     if config.do_sample and generator is None:
         generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
 
-    def make() -> tuple[GreedyState, tuple[torch.Tensor, ...]]:
+    def make_noise() -> tuple[torch.Tensor, ...]:
         noise = tuple(torch.ones(rows, vocab, device=device) for _ in range(spc))
         for buffer in noise:
             torch._dynamo.mark_static_address(buffer)
-        return GreedyState.allocate(rows, width, device), noise
+        return noise
 
-    key = ("greedy", rows, width, vocab, spc)
-    pooled = pooled_state(model, key, make)
-    if not isinstance(pooled, tuple) or not isinstance(pooled[0], GreedyState):
-        msg = f"pooled greedy state for {key!r} is a {type(pooled).__name__}, expected (GreedyState, noise)"
-        raise UnsupportedGenerationError(msg)
-    state, noise = pooled[0], _Noise(pooled[1], generator)
+    state = leases.lease(("greedy", rows, width), GreedyState, lambda: GreedyState.allocate(rows, width, device))
+    noise = _Noise(leases.lease(("noise", rows, vocab, spc), tuple, make_noise), generator)
     state.start(input_ids, choice.pad)
     choose_and_append(state, first_logits, noise.refresh()[0], choice)
     name = _input_name(model)
@@ -364,12 +376,15 @@ def _beam_search(
     config: GenerationConfig,
     settings: LoopSettings,
     model_kwargs: dict[str, Any],
+    leases: StateLeases,
 ) -> torch.Tensor:
     beams = int_field(config, "num_beams")
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
-    step_inputs, first_logits = _prefill(model, input_ids, config, model_kwargs, buffer_width(max_length) + spc)
+    step_inputs, first_logits = _prefill(
+        model, input_ids, config, model_kwargs, buffer_width(max_length) + spc, leases=leases
+    )
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = eos_ids(config)
     plan = BeamPlan.make(
@@ -379,11 +394,7 @@ def _beam_search(
     )  # fmt: skip
     pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
     fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
-    key = ("beams", plan.batch, beams, plan.width)
-    state = pooled_state(model, key, lambda: BeamState.allocate(plan, device))
-    if not isinstance(state, BeamState):
-        msg = f"pooled beam state for {key!r} is a {type(state).__name__}, expected BeamState"
-        raise UnsupportedGenerationError(msg)
+    state = leases.lease(("beams", plan.batch, beams, plan.width), BeamState, lambda: BeamState.allocate(plan, device))
     state.start(input_ids, plan, fill)
     layers = _self_attention_layers(step_inputs[cache_argument_name(model)])
     beam_step(state, first_logits, plan)

@@ -1,10 +1,12 @@
-"""Turning cachelife on and off for a model: `enable`, `disable`, `is_enabled`, the buffer pool's settings, and
-`CacheLifecycleMixin`, which enables every instance of a model class. What `enable` installs is the decoding
-guard (`cachelife.integration.guard`).
+"""Turning cachelife on and off for a model: `enable`, `disable`, `is_enabled`, the buffer pool's settings,
+`release` (everything cachelife keeps for a model), and `CacheLifecycleMixin`, which enables every instance of
+a model class. What `enable` installs is the decoding guard (`cachelife.integration.guard`); what a model keeps
+between calls is its runtime (`cachelife.integration.runtime`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +17,7 @@ from cachelife.core.shapes import model_cache_shapes
 from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
+from cachelife.integration.runtime import Released, existing_runtime
 from cachelife.validate import check_int
 
 
@@ -49,8 +52,9 @@ def enable(
         if buckets is not None:
             check_bucketable(model)
         existing.on_unpinned = on_unpinned
-        existing.pool = _make_pool(pool_bytes, existing.pool)
+        existing.pool_bytes = pool_bytes
         existing.encoder_buckets = buckets
+        existing.pool(model)
         return model
     if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
         msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
@@ -58,38 +62,45 @@ def enable(
     model_cache_shapes(model)  # fail now, not in the middle of generate
     if buckets is not None:
         check_bucketable(model)
-    guard = DecodingGuard(on_unpinned=on_unpinned, pool=_make_pool(pool_bytes, None), encoder_buckets=buckets)
+    guard = DecodingGuard(on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets)
     guard.install(model)
+    guard.pool(model)
     return model
 
 
 def pool_of(model: object) -> CachePool | None:
     """The buffer pool of an enabled model (None if cachelife is off for it or its pool is off)."""
     guard = guard_of(model)
-    return None if guard is None else guard.pool
+    if guard is None or not isinstance(model, PreTrainedModel):
+        return None
+    return guard.pool(model)
 
 
 def release_pool(model: object) -> None:
-    """Drop the idle pinned buffers an enabled model keeps between `generate` calls."""
+    """Drop the idle pinned buffers an enabled model keeps between `generate` calls (`release` frees the rest)."""
     pool = pool_of(model)
     if pool is not None:
         pool.clear()
 
 
-def _make_pool(budget: int, current: CachePool | None) -> CachePool | None:
-    if budget == 0:
-        return None
-    if current is not None:
-        current.budget_bytes = budget
-        return current
-    return CachePool(budget)
+def release(model: object) -> Released:
+    """Free everything cachelife keeps for `model` between calls: idle pooled cache buffers, the fast loop's
+    state buffers, captured CUDA graphs and their memory pool, compiled steps and once-per-model warnings.
+    Returns what was freed. Waits for a call decoding on the model in another thread; the model stays
+    enabled (or not) and the next call builds what it needs again. Caches a caller holds are the caller's."""
+    runtime = existing_runtime(model)
+    return Released(0, 0, 0, 0) if runtime is None else runtime.release()
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo `enable`: remove the hooks and restore every patched attribute exactly. Idempotent."""
+    """Undo `enable`: remove the hooks, restore every patched attribute exactly, and `release` the model's
+    runtime state. Idempotent."""
     guard = guard_of(model)
     if guard is not None:
-        guard.uninstall(model)
+        runtime = existing_runtime(model)
+        with runtime.lock if runtime is not None else contextlib.nullcontext():
+            guard.uninstall(model)
+            release(model)
     return model
 
 

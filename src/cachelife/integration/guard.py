@@ -23,12 +23,12 @@ dynamo traces, so they add no graph break, recompilation or host-device synchron
 
 from __future__ import annotations
 
-import functools
+import copy
 import inspect
 import logging
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NoReturn, SupportsIndex, TypeAlias
 
 import torch
 from attrs import define, field
@@ -43,11 +43,12 @@ from cachelife.core.pinning import pin_for_model
 from cachelife.core.placement import cache_layer_devices
 from cachelife.core.pool import CachePool
 from cachelife.core.shapes import model_cache_shapes
-from cachelife.errors import CacheShapeError, ReplacedBuffersError
+from cachelife.errors import CacheShapeError, EnabledModelPickleError, ReplacedBuffersError
 from cachelife.integration import call_arguments
 from cachelife.integration.buckets import Buckets, pad_generation_kwargs
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import is_compiled
+from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.integration.skips import describe as skips_describe
 from cachelife.integration.skips import skip_log as skips_log
 
@@ -62,10 +63,14 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 @define(eq=False)
 class DecodingGuard:
-    """What `enable` installs on one model: two forward hooks and three wrapped methods."""
+    """What `enable` installs on one model: two forward hooks and three wrapped methods. It holds the model's
+    settings; the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
+
+    A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
+    a fresh runtime); pickling an enabled model raises `EnabledModelPickleError`."""
 
     on_unpinned: OnUnpinned
-    pool: CachePool | None
+    pool_bytes: int
     encoder_buckets: Buckets | None = None
     # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
     _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
@@ -79,30 +84,14 @@ class DecodingGuard:
     # Attribute name -> the instance attribute that was there before (absent if the class provided it).
     _saved: dict[str, Any] = field(factory=dict, alias="saved")
 
+    def pool(self, model: PreTrainedModel) -> CachePool | None:
+        """The model's pool of idle pinned buffers under this guard's budget (None with `pool_bytes=0`)."""
+        return runtime_of(model).pool_for(self.pool_bytes)
+
     def install(self, model: PreTrainedModel) -> None:
-        originals = {name: getattr(model, name) for name in _PATCHED}
         self._saved = {name: model.__dict__[name] for name in _PATCHED if name in model.__dict__}
-        prepare_signature = inspect.signature(originals["_prepare_cache_for_generation"])
-
-        @functools.wraps(originals["generate"])
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            with pinned_compile_cache():
-                return originals["generate"](*args, **kwargs)
-
-        def prepare_cache_for_generation(*args: Any, **kwargs: Any) -> Any:
-            arguments = prepare_signature.bind(*args, **kwargs).arguments
-            self.before_cache_preparation(arguments)
-            result = originals["_prepare_cache_for_generation"](*args, **kwargs)
-            self.after_cache_preparation(model, arguments)
-            return result
-
-        def get_compiled_call(*args: Any, **kwargs: Any) -> Any:
-            compiled = originals["get_compiled_call"](*args, **kwargs)
-            return self.guard_compiled_call(model, compiled)
-
-        model.__dict__["generate"] = generate
-        model.__dict__["_prepare_cache_for_generation"] = prepare_cache_for_generation
-        model.__dict__["get_compiled_call"] = get_compiled_call
+        for name in _PATCHED:
+            model.__dict__[name] = GuardedMethod(self, model, name, getattr(model, name))
         self._hooks = [
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
             model.register_forward_hook(self.after_forward, with_kwargs=True),
@@ -110,8 +99,6 @@ class DecodingGuard:
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
     def uninstall(self, model: PreTrainedModel) -> None:
-        if self.pool is not None:
-            self.pool.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -121,6 +108,37 @@ class DecodingGuard:
             else:
                 model.__dict__.pop(name, None)
         model.__dict__.pop(_GUARD_ATTRIBUTE, None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DecodingGuard:
+        # `copy.deepcopy(model)` reaches the guard through the model's __dict__, its hooks and its wrapped
+        # methods; every one of them gets this twin, whose hooks and saved attributes are the copy's own.
+        twin = DecodingGuard(self.on_unpinned, self.pool_bytes, self.encoder_buckets)
+        memo[id(self)] = twin
+        twin._hooks = copy.deepcopy(self._hooks, memo)
+        twin._saved = copy.deepcopy(self._saved, memo)
+        return twin
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise_enabled_model_pickle()
+
+    def around_generate(self, model: PreTrainedModel, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`generate`: one call at a time per model, inside cachelife's compile-cache namespace."""
+        with runtime_of(model).lock, collecting_after_compilation(), pinned_compile_cache():
+            return original(*args, **kwargs)
+
+    def around_prepare_cache_for_generation(
+        self, model: PreTrainedModel, original: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+        self.before_cache_preparation(arguments)
+        result = original(*args, **kwargs)
+        self.after_cache_preparation(model, arguments)
+        return result
+
+    def around_get_compiled_call(
+        self, model: PreTrainedModel, original: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        return self.guard_compiled_call(model, original(*args, **kwargs))
 
     # 0. where generate has run the encoder (and expanded its output for beams) but built no cache yet
     def before_cache_preparation(self, arguments: Mapping[str, Any]) -> None:
@@ -142,7 +160,7 @@ class DecodingGuard:
         if isinstance(generation_config, GenerationConfig):
             batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         encoder_length = call_arguments.encoder_length(model_kwargs)
-        state = pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool)
+        state = pin_for_model(cache, model, batch_size=batch_size, encoder_length=encoder_length, pool=self.pool(model))
         if isinstance(generation_config, GenerationConfig) and (generation_config.num_beams or 1) > 1:
             # generate expanded the encoder output per beam: every beam of one input gets the same
             # cross-attention rows, which a beam reorder never needs to move (see cachelife.core.reorder).
@@ -214,7 +232,11 @@ class DecodingGuard:
             return
         late = ", ".join(layer.describe() for layer in state.unpinned())
         pin_for_model(
-            cache, module, batch_size=batch_size, encoder_length=call_arguments.encoder_length(kwargs), pool=self.pool
+            cache,
+            module,
+            batch_size=batch_size,
+            encoder_length=call_arguments.encoder_length(kwargs),
+            pool=self.pool(module),
         )
         logger.warning(
             "cache layers reached %s's forward unpinned and were pinned there: %s. Pin caches ahead "
@@ -277,6 +299,54 @@ class DecodingGuard:
             return output
 
         return guarded
+
+
+def raise_enabled_model_pickle() -> NoReturn:
+    msg = (
+        "cannot pickle a model that cachelife.enable guards (torch.save(model), pickle.dumps(model)): its "
+        "guard holds hooks and runtime state that are not data. Call cachelife.disable(model) first (and "
+        "enable it again after loading), or save model.state_dict(); copy.deepcopy(model) works as it is."
+    )
+    raise EnabledModelPickleError(msg)
+
+
+@define(eq=False)
+class GuardedMethod:
+    """One method of an enabled model, wrapped by its guard: an object rather than a closure, so that a deep
+    copy of the model wraps the copy's own method (a closure would keep calling the original model's)."""
+
+    guard: DecodingGuard
+    model: PreTrainedModel
+    name: str
+    original: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _AROUND[self.name](self.guard, self.model, self.original, *args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature and help() show the original's
+        return self.original
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]  # the original's docstring, read on demand
+        return self.original.__doc__
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GuardedMethod:
+        return GuardedMethod(
+            copy.deepcopy(self.guard, memo), copy.deepcopy(self.model, memo), self.name,
+            copy.deepcopy(self.original, memo),
+        )  # fmt: skip
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise_enabled_model_pickle()
+
+
+# What each wrapped method runs, by the method's name.
+_AROUND: dict[str, Callable[..., Any]] = {
+    "generate": DecodingGuard.around_generate,
+    "_prepare_cache_for_generation": DecodingGuard.around_prepare_cache_for_generation,
+    "get_compiled_call": DecodingGuard.around_get_compiled_call,
+}
 
 
 def guard_of(model: object) -> DecodingGuard | None:
