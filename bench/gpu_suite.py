@@ -318,6 +318,8 @@ BENCHES = {
     "decode-loop": ["bench.decode_loop", "--device", "cuda"],
     "soak": ["bench.soak", "--device", "cuda", "--compile", "--calls", "100"],
     "decode": ["bench.decode", "--device", "cuda"],
+    # What a second thread costs (calls on one model wait for each other), cachelife's graphs, fp32.
+    "threads": ["bench.threads", "--device", "cuda", "--model", "llama-small", "--calls", "16", "--threads", "1,2,4"],
     "buckets": ["bench.buckets", "--device", "cuda"],
     "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small,llama-small"],
     # cachelife.generate on real checkpoints' shapes and generation configs (bf16). Whisper's decoder prompt is

@@ -14,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -266,3 +268,61 @@ def test_cachelife_generate_with_fast_kernels_is_graph_captured_and_equals_gener
     assert all(isinstance(out, torch.Tensor) and torch.equal(out, expected) for out in calls), calls
     assert record.captures == 1, record.captures
     assert CudaGraphHealth.now().cudagraph_skips == start.cudagraph_skips
+
+
+def _in_threads(calls: list[Any]) -> list[Any]:
+    """Run every call in its own thread, all released together; their results in order."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call: Any) -> Any:
+        barrier.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
+@pytest.mark.parametrize("name", ["t5-small", "llama-small"])
+def test_concurrent_calls_with_cachelife_graphs_equal_sequential_ones(name: str) -> None:
+    """Four threads on one enabled model (fp32, cachelife's CUDA graphs, greedy and 2 beams), after sequential
+    calls of the same shape and before one more: every output equals eager `generate`'s, and the process keeps
+    capturing and replaying correctly afterwards."""
+    built = zoo.build(name, device="cuda")
+    config = built.model.generation_config
+    config.eos_token_id = config.forced_eos_token_id = None
+    model = cachelife.enable(built.model)
+    inputs = [built.inputs(2, 9, seed) for seed in range(4)]
+    for beams in (1, 2):
+        settings: dict[str, Any] = {"max_new_tokens": 24, "num_beams": beams}
+        expected = [zoo.generate_tokens(model, one, **settings) for one in inputs]
+
+        def call(one: dict[str, Any], settings: dict[str, Any] = settings) -> Any:
+            return lambda: cachelife.generate(model, fallback=False, **one, **settings)
+
+        sequential = [call(one)() for one in inputs]
+        together = _in_threads([call(one) for one in inputs])
+        after = call(inputs[0])()
+        for got, want in zip([*sequential, *together, after], [*expected, *expected, expected[0]], strict=True):
+            assert isinstance(got, torch.Tensor)
+            assert torch.equal(got, want), (beams, got, want)
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
+def test_concurrent_first_calls_on_two_models_capture_correctly() -> None:
+    """Two models compiled and captured for the first time in two threads at once (the captures share the
+    device's capture stream and the compiler), then both again together: tokens equal eager `generate`'s."""
+    models = [zoo.build("t5-small", device="cuda"), zoo.build("bart-small", device="cuda")]
+    for built in models:
+        config = built.model.generation_config
+        config.eos_token_id = config.forced_eos_token_id = None
+        cachelife.enable(built.model)
+    inputs = [built.inputs(2, 9, 1) for built in models]
+    expected = [zoo.generate_tokens(b.model, i, max_new_tokens=16) for b, i in zip(models, inputs, strict=True)]
+
+    def call(built: zoo.ZooModel, one: dict[str, Any]) -> Any:
+        return lambda: cachelife.generate(built.model, fallback=False, **one, max_new_tokens=16)
+
+    for _ in range(2):
+        got = _in_threads([call(b, i) for b, i in zip(models, inputs, strict=True)])
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), got

@@ -21,7 +21,7 @@ from cachelife.core.cache_lifecycle import (
 from cachelife.core.placement import cache_layer_devices
 from cachelife.core.pool import CachePool
 from cachelife.core.shapes import CacheShapes, model_cache_shapes
-from cachelife.errors import CacheShapeError
+from cachelife.errors import CacheShapeError, InvalidArgumentError
 from cachelife.validate import check_int
 
 
@@ -42,6 +42,7 @@ def prepare_static_cache(
     `cache=` from transformers 5.24) or to your own decoding loop. With a `pool` (`pool_of(model)`), the
     buffers of an earlier cache of the same shape are reused, at the same addresses.
     """
+    check_model_and_pool(model, pool)
     check_int("batch_size", batch_size, error=CacheShapeError)
     check_int("max_cache_len", max_cache_len, error=CacheShapeError)
     shapes = model_cache_shapes(model)
@@ -65,6 +66,16 @@ def prepare_static_cache(
     return cache
 
 
+def check_model_and_pool(model: object, pool: object) -> None:
+    """Raise `InvalidArgumentError` unless `model` is a transformers model and `pool` a `CachePool` or None."""
+    if not isinstance(model, PreTrainedModel):
+        msg = f"model must be a transformers PreTrainedModel, got a {type(model).__name__}"
+        raise InvalidArgumentError(msg)
+    if pool is not None and not isinstance(pool, CachePool):
+        msg = f"pool must be a CachePool (cachelife.pool_of(model)) or None, got {type(pool).__name__} {pool!r:.60}"
+        raise InvalidArgumentError(msg)
+
+
 def pin_for_model(
     cache: ManagedCache,
     model: PreTrainedModel,
@@ -81,6 +92,7 @@ def pin_for_model(
     layers of that length first. With a `pool`, a wholly unallocated cache reuses the buffers of an earlier
     cache of the same shape, and lends its own to a later one once it is garbage-collected.
     """
+    check_model_and_pool(model, pool)
     if shapes is None:
         shapes = model_cache_shapes(model)
     if encoder_length is not None and is_encoder_decoder_cache(cache):

@@ -37,7 +37,7 @@ from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import call_step
 from cachelife.integration.enabling import pool_of
-from cachelife.integration.runtime import runtime_of
+from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.validate import is_int_at_least
 
 # Generation-config fields whose logits processors this loop does not apply, with their neutral values.
@@ -95,7 +95,7 @@ def decode(
     # The first token comes from prefill, the rest in whole calls of `steps_per_call` steps; tokens past
     # max_new_tokens are decoded (the cache holds them) and dropped.
     calls = -(-(max_new_tokens - 1) // steps_per_call)
-    with runtime_of(model).lock, torch.no_grad(), pinned_compile_cache():
+    with runtime_of(model).lock, collecting_after_compilation(), torch.no_grad(), pinned_compile_cache():
         prompt, step_inputs, first_logits = _prefill(model, inputs, 1 + calls * steps_per_call, buckets)
         batch = prompt.shape[0]
         noise = _Noise(generator if do_sample else None, steps_per_call, batch, first_logits.shape[-1], model.device)

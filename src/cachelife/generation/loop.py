@@ -37,7 +37,7 @@ from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import InductorOptions, call_step, mode_with
 from cachelife.integration.enabling import pool_of
-from cachelife.integration.runtime import FIRST_CALLS, runtime_of
+from cachelife.integration.runtime import FIRST_CALLS, collecting_after_compilation, runtime_of
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,9 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
                 raise UnsupportedGenerationError(msg)
             return result
         runtime = runtime_of(model)
-        with runtime.lock, StateLeases(runtime) as leases, pinned_compile_cache():
+        # A decoding method that compiled collects its traces' cycles before the next one runs (Whisper's
+        # generate calls it once per segment and per fallback), so that the next cache gets this one's buffers.
+        with runtime.lock, collecting_after_compilation(), StateLeases(runtime) as leases, pinned_compile_cache():
             search = _beam_search if int_field(generation_config, "num_beams") > 1 else _greedy
             return search(
                 model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
