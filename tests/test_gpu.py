@@ -27,7 +27,7 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife.core.buffers import PinSpec
 from cachelife.errors import CompiledRegionError
-from cachelife.generation.loop import CudaGraphs
+from cachelife.generation.steps import CudaGraphs
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.guard import DecodingGuard
 from cachelife.tools import zoo

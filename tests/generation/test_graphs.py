@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cachelife
-from cachelife.generation import graphs, loop
+from cachelife.generation import graphs, steps
 from cachelife.tools import zoo
 
 NEW = 12
@@ -49,7 +49,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Graphs captured on the CPU by the stand-in; the step runs eagerly unless a test compiles it."""
     monkeypatch.setattr(graphs, "capture", record)
     monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop, "_compiled", lambda model, name, function, mode, options: function)
+    monkeypatch.setattr(steps, "compiled_step", lambda model, name, function, mode, options: function)
     RECORDED.clear()
     yield
     RECORDED.clear()

@@ -1,8 +1,8 @@
 """`cachelife.generate`: `model.generate`'s tokens from a compiled, graph-captured decoding loop.
 
 `generate(model, **kwargs)` takes what `model.generate` takes and returns what it returns (the token
-tensor). transformers' `generate` prepares the call as always; cachelife replaces only the decoding loop
-(`cachelife.generation.loop`): logits processors (`processors`), greedy search and sampling (`greedy`) and
+tensor). transformers' `generate` prepares the call as always; cachelife replaces only the decoding method
+(`method`, `searches`, `steps`): logits processors (`processors`), greedy search and sampling (`greedy`) and
 beam search (`beams`) run inside one compiled step on pinned caches. What it does not implement
 (`arguments`) falls back to `model.generate` with one WARNING naming the feature, or raises
 `UnsupportedGenerationError` with `fallback=False`.
@@ -10,7 +10,7 @@ beam search (`beams`) run inside one compiled step on pinned caches. What it doe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,9 @@ from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
-from cachelife.generation.loop import CudaGraphs, LoopSettings, decoding_method, fall_back
+from cachelife.generation.method import decoding_method, fall_back
+from cachelife.generation.steps import CudaGraphs, LoopSettings
+from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.compiled import checked_options
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.validate import check_bool, check_choice, check_int
@@ -35,6 +37,7 @@ def generate(
     generator: torch.Generator | None = None,
     cuda_graphs: CudaGraphs = "cachelife",
     compile_options: Mapping[str, str | int | bool] | None = None,
+    encoder_buckets: Sequence[int] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | ModelOutput:
     """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
@@ -49,7 +52,10 @@ def generate(
     (`cachelife.generation.graphs`); `"torch"` compiles a `steps_per_call`-step function in torch's
     "reduce-overhead" mode (cudagraph trees) instead. `compile_options` are inductor options added to the
     step's compilation (`torch.compile(options=)`; each set of options compiles its own step), for example
-    `{"max_autotune_gemm": True}`; README.md's "Faster kernels" says which ones were measured to help.
+    `{"max_autotune_gemm": True}`; the performance documentation says which ones were measured to help.
+    `encoder_buckets` (encoder-decoder models whose cross-attention honours the encoder mask), e.g.
+    `(64, 128, 256)`, pads the encoder output and its mask to the smallest bucket that fits for this call, as
+    `cachelife.enable(model, encoder_buckets=...)` does for every call of an enabled model.
     """
     check_model(model)
     check_bool("fallback", fallback)
@@ -58,6 +64,9 @@ def generate(
     check_bool("compile_step", compile_step)
     check_choice("cuda_graphs", cuda_graphs, ("cachelife", "torch"))
     check_generator(generator, model)
+    buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
+    if buckets is not None:
+        check_bucketable(model)
     options = checked_options(compile_options)
     if options and not compile_step:
         msg = f"compile_options={dict(options)!r} need compile_step=True: the step runs eagerly without it"
@@ -69,7 +78,7 @@ def generate(
             fall_back(feature, fallback)
             return model.generate(**kwargs)
         settings = LoopSettings(
-            steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options
+            steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options, buckets
         )
         called: list[bool] = []
         output = model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True)))

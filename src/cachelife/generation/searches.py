@@ -1,0 +1,187 @@
+"""The two searches `cachelife.generate` runs: greedy search and sampling, and beam search.
+
+Each prefills (`steps.prefill`), chooses the first token eagerly, then runs its step function (`greedy_steps`,
+`beam_steps`: forward, processors, token choice or beam bookkeeping, cache reorder) through `steps.stepper`
+until the budget is spent or every sequence ended. Their state lives in buffers leased for the call
+(`states.StateLeases`); the tensor operations are in `greedy` and `beams`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import LogitsProcessorList
+
+from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
+from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
+from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
+from cachelife.generation.processors import tensor_processors
+from cachelife.generation.states import StateLeases
+from cachelife.generation.steps import LoopSettings, input_name, prefill, run_steps, stepper
+from cachelife.integration.call_arguments import cache_argument_name
+
+
+class _Noise:
+    """Exponential noise for the steps of one call of the step from the caller's generator, one static
+    buffer per step (ones, unused, for greedy search)."""
+
+    def __init__(self, buffers: tuple[torch.Tensor, ...], generator: torch.Generator | None) -> None:
+        self.buffers = buffers
+        self.generator = generator
+        if generator is None:
+            for buffer in buffers:
+                buffer.fill_(1.0)
+
+    def refresh(self) -> tuple[torch.Tensor, ...]:
+        if self.generator is not None:
+            for buffer in self.buffers:
+                buffer.exponential_(generator=self.generator)
+        return self.buffers
+
+
+def greedy_steps(
+    model: PreTrainedModel,
+    state: GreedyState,
+    *,
+    noise: Sequence[torch.Tensor],
+    choice: Choice,
+    step_inputs: dict[str, Any],
+    steps: int,
+    input_name: str,
+) -> None:
+    """`steps` greedy or sampling steps (the function that gets compiled)."""
+    for index in range(steps):
+        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
+        choose_and_append(state, output.logits[:, -1].to(torch.float32), noise[index], choice)
+
+
+def greedy_search(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    processors: LogitsProcessorList,
+    config: GenerationConfig,
+    settings: LoopSettings,
+    model_kwargs: dict[str, Any],
+    leases: StateLeases,
+) -> torch.Tensor:
+    rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
+    max_length = int_field(config, "max_length")
+    spc = settings.steps_per_call
+    width = buffer_width(max_length)
+    step_inputs, first_logits = prefill(model, input_ids, config, model_kwargs, width + spc, leases=leases)
+    vocab, device = int(first_logits.shape[-1]), first_logits.device
+    eos = eos_ids(config)
+    pad_tensor = special_tokens(config, "_pad_token_tensor")
+    choice = Choice(
+        tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
+        0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
+    )  # fmt: skip
+    generator = settings.generator if config.do_sample else None
+    if config.do_sample and generator is None:
+        generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
+
+    def make_noise() -> tuple[torch.Tensor, ...]:
+        noise = tuple(torch.ones(rows, vocab, device=device) for _ in range(spc))
+        for buffer in noise:
+            torch._dynamo.mark_static_address(buffer)
+        return noise
+
+    state = leases.lease(("greedy", rows, width), GreedyState, lambda: GreedyState.allocate(rows, width, device))
+    noise = _Noise(leases.lease(("noise", rows, vocab, spc), tuple, make_noise), generator)
+    state.start(input_ids, choice.pad)
+    choose_and_append(state, first_logits, noise.refresh()[0], choice)
+    name = input_name(model)
+
+    def arguments(index: int, steps: int, settings: Choice) -> dict[str, Any]:
+        return {
+            "model": model, "state": state, "noise": noise.buffers[index : index + steps], "choice": settings,
+            "step_inputs": step_inputs, "steps": steps, "input_name": name,
+        }  # fmt: skip
+
+    steps = stepper(
+        model, "greedy", greedy_steps, arguments, in_place=(model, state, noise.buffers, step_inputs),
+        read_only=choice, settings=settings,
+    )  # fmt: skip
+
+    def advance() -> int:
+        noise.refresh()
+        return steps()
+
+    run_steps(advance, lambda: state.running(choice), max_length - prompt_length - 1, settings)
+    tokens: torch.Tensor = state.tokens[:, : int(state.length)].clone()
+    return tokens
+
+
+# -- beam search -------------------------------------------------------------------------------------------
+
+
+def beam_steps(
+    model: PreTrainedModel,
+    state: BeamState,
+    *,
+    plan: BeamPlan,
+    step_inputs: dict[str, Any],
+    steps: int,
+    input_name: str,
+    self_attention: Sequence[object],
+) -> None:
+    """`steps` beam-search steps (the function that gets compiled)."""
+    for _ in range(steps):
+        reorder_cache(state, self_attention)
+        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
+        beam_step(state, output.logits[:, -1].to(torch.float32), plan)
+
+
+def _self_attention_layers(cache: object) -> tuple[object, ...]:
+    inner = getattr(cache, "self_attention_cache", cache)
+    return tuple(getattr(inner, "layers"))  # noqa: B009 (a Cache's layers, any cache class)
+
+
+def beam_search(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    processors: LogitsProcessorList,
+    config: GenerationConfig,
+    settings: LoopSettings,
+    model_kwargs: dict[str, Any],
+    leases: StateLeases,
+) -> torch.Tensor:
+    beams = int_field(config, "num_beams")
+    rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
+    max_length = int_field(config, "max_length")
+    spc = settings.steps_per_call
+    step_inputs, first_logits = prefill(
+        model, input_ids, config, model_kwargs, buffer_width(max_length) + spc, leases=leases
+    )
+    vocab, device = int(first_logits.shape[-1]), first_logits.device
+    eos = eos_ids(config)
+    plan = BeamPlan.make(
+        tensor_processors(processors, vocab_size=vocab, device=device), eos, batch=rows // beams, beams=beams,
+        prompt_length=prompt_length, max_length=max_length, early_stopping=early_stopping(config),
+        length_penalty=float_field(config, "length_penalty"), device=device,
+    )  # fmt: skip
+    pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
+    fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
+    state = leases.lease(("beams", plan.batch, beams, plan.width), BeamState, lambda: BeamState.allocate(plan, device))
+    state.start(input_ids, plan, fill)
+    layers = _self_attention_layers(step_inputs[cache_argument_name(model)])
+    beam_step(state, first_logits, plan)
+    name = input_name(model)
+
+    def arguments(index: int, steps: int, settings: BeamPlan) -> dict[str, Any]:
+        return {
+            "model": model, "state": state, "plan": settings, "step_inputs": step_inputs, "steps": steps,
+            "input_name": name, "self_attention": layers,
+        }  # fmt: skip
+
+    advance = stepper(
+        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers), read_only=plan,
+        settings=settings,
+    )  # fmt: skip
+    run_steps(advance, lambda: state.running, max_length - prompt_length - 1, settings)
+    return beam_output(state, plan, int_field(config, "num_return_sequences"))

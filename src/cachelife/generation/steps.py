@@ -1,0 +1,167 @@
+"""How the decoding steps of one `cachelife.generate` call run, whichever search they serve.
+
+`prefill` builds pinned static caches (leased state buffers for the encoder output and mask) and runs
+transformers' eager prefill; `stepper` returns what runs the next steps: replays of a CUDA graph cachelife
+captured (`graphs`, CUDA with `cuda_graphs="cachelife"`), calls of the step compiled with `steps_per_call`
+steps (torch's cudagraph trees with `cuda_graphs="torch"`, inductor elsewhere), or eager calls; `run_steps` is
+the host's loop, which reads the device only every `stop_check_every` steps. Steps are compiled once per model
+and kept in its runtime (`cachelife.integration.runtime`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from attrs import field, frozen
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from cachelife.core.pinning import prepare_static_cache
+from cachelife.generation.graphs import GraphedSteps, captures_on
+from cachelife.generation.states import StateLeases
+from cachelife.integration.buckets import Buckets
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.compiled import InductorOptions, call_step, mode_with
+from cachelife.integration.enabling import pool_of
+from cachelife.integration.runtime import FIRST_CALLS, runtime_of
+
+logger = logging.getLogger(__name__)
+
+StepFunction = Callable[..., None]
+CudaGraphs = Literal["cachelife", "torch"]
+
+
+@frozen
+class LoopSettings:
+    """cachelife's own settings of one `generate` call."""
+
+    steps_per_call: int
+    stop_check_every: int
+    compile_step: bool
+    fallback: bool
+    generator: torch.Generator | None
+    cuda_graphs: CudaGraphs = "cachelife"
+    # As cachelife.integration.compiled.checked_options returns them.
+    compile_options: InductorOptions = field(factory=dict)
+    encoder_buckets: Buckets | None = None
+
+
+def prefill(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    cache_length: int,
+    *,
+    leases: StateLeases,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Pinned caches for `cache_length` positions, transformers' eager prefill on them, the inputs every
+    step passes again (cache, encoder output and mask), and the first logits (float32)."""
+    name = cache_argument_name(model)
+    rows = int(input_ids.shape[0])
+    pool = pool_of(model)
+    step_inputs: dict[str, Any] = {}
+    if model.config.is_encoder_decoder:
+        # The encoder output and its mask, copied into leased static buffers: the same addresses every step
+        # and every call of this shape (no copy into the graph, no new capture).
+        hidden = leases.static_copy("encoder output", model_kwargs["encoder_outputs"][0])
+        cache = prepare_static_cache(
+            model, batch_size=rows, max_cache_len=cache_length, encoder_length=int(hidden.shape[1]), pool=pool
+        )
+        model_kwargs["encoder_outputs"] = step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
+        mask = model_kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            model_kwargs["attention_mask"] = step_inputs["attention_mask"] = leases.static_copy("encoder mask", mask)
+    else:
+        cache = prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
+    for stale in ("cache", "past_key_values"):
+        model_kwargs.pop(stale, None)
+    model_kwargs[name] = cache
+    step_inputs[name] = cache
+    outputs = model._prefill(input_ids, config, model_kwargs)
+    logits: torch.Tensor = outputs["logits"]
+    return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
+def input_name(model: PreTrainedModel) -> str:
+    return "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
+
+
+def compiled_step(
+    model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions
+) -> StepFunction:
+    functions = runtime_of(model).compiled
+    key = (name, mode, repr(sorted(extra.items())))
+    if key not in functions:
+        # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
+        # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
+        # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
+        options = mode_with(mode, {**extra, "emulate_precision_casts": True})
+        functions[key] = torch.compile(function, fullgraph=True, options=options)
+    return functions[key]
+
+
+# (index of the call within a graph, steps, settings) -> the step function's keyword arguments
+Arguments = Callable[[int, int, Any], dict[str, Any]]
+
+
+def stepper(
+    model: PreTrainedModel,
+    name: str,
+    function: StepFunction,
+    arguments: Arguments,
+    *,
+    in_place: object,
+    read_only: object,
+    settings: LoopSettings,
+) -> Callable[[], int]:
+    """A function that runs the next decoding steps and returns how many it ran: replays of a graph that
+    cachelife captured (CUDA, `cuda_graphs="cachelife"`), or calls of the step compiled with `steps_per_call`
+    steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly."""
+    spc, device = settings.steps_per_call, model.device
+    if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
+        if pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
+            logger.warning(
+                "cachelife.generate: %s is not enabled (no cache pool), so its caches get new addresses on every "
+                "call and every call captures a new CUDA graph; call cachelife.enable(model) once",
+                type(model).__name__,
+            )
+        options = settings.compile_options
+        one_step = compiled_step(model, name, function, "default", options)
+        # The graph's name is part of its key: a graph of the step compiled with other options is another graph.
+        graph_name = f"{name} with {dict(sorted(options.items()))}" if options else name
+        graphed = GraphedSteps(
+            model, graph_name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
+            read_only, device,
+        )  # fmt: skip
+        return graphed.advance
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    step = compiled_step(model, name, function, mode, settings.compile_options) if settings.compile_step else function
+    calls = itertools.count()
+
+    def advance() -> int:
+        if next(calls) == 0:  # every call passes the first call's objects; the first may compile
+            with FIRST_CALLS:
+                call_step(step, True, **arguments(0, spc, read_only))
+        else:
+            call_step(step, False, **arguments(0, spc, read_only))
+        return spc
+
+    return advance
+
+
+def run_steps(
+    advance: Callable[[], int], is_running: Callable[[], torch.Tensor], steps: int, settings: LoopSettings
+) -> None:
+    """Run steps (`advance` says how many it ran) until `steps` steps ran or decoding ended."""
+    produced, checked_at = 0, 0
+    while produced < steps:
+        if produced - checked_at >= settings.stop_check_every:
+            checked_at = produced
+            if not bool(is_running()):
+                return
+        produced += advance()
