@@ -27,7 +27,7 @@ from cachelife.core.layer_lifecycle import Filled, Pinned
 from cachelife.core.shapes import CacheShapes, LayerShape, per_rank_shapes
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
 from cachelife.integration.call_arguments import cache_argument_name
-from cachelife.integration.guard import check_call_fits
+from cachelife.integration.call_fit import check_call_fits
 from cachelife.tools import zoo
 
 NEW_TOKENS = 6

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import cachelife
-from cachelife.generation import graphs, steps
+from cachelife.generation import graphs
+from cachelife.generation import steps as loop_steps
 from cachelife.tools import zoo
 
 NEW = 12
@@ -49,7 +50,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Graphs captured on the CPU by the stand-in; the step runs eagerly unless a test compiles it."""
     monkeypatch.setattr(graphs, "capture", record)
     monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(steps, "compiled_step", lambda model, name, function, mode, options: function)
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: function)
     RECORDED.clear()
     yield
     RECORDED.clear()

@@ -26,31 +26,28 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NoReturn, SupportsIndex, TypeAlias
 
 import torch
 from attrs import define, field
-from torch._dynamo.utils import counters
 from transformers import GenerationConfig, PreTrainedModel
 
-from cachelife.core import buffers, reorder
+from cachelife.core import reorder
 from cachelife.core.cache_lifecycle import CacheLifecycle, ManagedCache, is_managed_cache, lifecycle
-from cachelife.core.fit import Need, check_encoder_fits, check_fits
+from cachelife.core.fit import check_encoder_fits
 from cachelife.core.layer_lifecycle import FillRecord, Pinned
 from cachelife.core.pinning import pin_for_model
-from cachelife.core.placement import cache_layer_devices
 from cachelife.core.pool import CachePool
-from cachelife.core.shapes import model_cache_shapes
-from cachelife.errors import CacheShapeError, EnabledModelPickleError, ReplacedBuffersError
+from cachelife.errors import EnabledModelPickleError
 from cachelife.integration import call_arguments
 from cachelife.integration.buckets import Buckets, pad_generation_kwargs
+from cachelife.integration.call_fit import check_call_fits
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import is_compiled
+from cachelife.integration.replaced import ReplacedTensors
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
-from cachelife.integration.skips import describe as skips_describe
-from cachelife.integration.skips import skip_log as skips_log
+from cachelife.integration.skips import SkipReporter
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +69,8 @@ class DecodingGuard:
     on_unpinned: OnUnpinned
     pool_bytes: int
     encoder_buckets: Buckets | None = None
-    # CUDA-graph skips counted by torch when this guard last looked (process-wide counter).
-    _skips_seen: int = field(factory=lambda: int(counters["inductor"]["cudagraph_skips"]), alias="skips_seen")
-    # Skip reasons torch had logged when this guard last looked (`cachelife.integration.skips`).
-    _skip_lines_seen: int = field(factory=lambda: skips_log().count, alias="skip_lines_seen")
-    # Whether a pinned layer was found holding replaced tensors (then a stale compile cache is no likely cause).
-    _replaced_seen: bool = field(default=False, alias="replaced_seen")
-    # Caches whose replaced tensors were already reported, to warn once per cache.
-    _warned_replaced: weakref.WeakSet[CacheLifecycle] = field(factory=weakref.WeakSet, alias="warned_replaced")
+    _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
+    _replaced: ReplacedTensors = field(factory=ReplacedTensors, alias="replaced")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
     # Attribute name -> the instance attribute that was there before (absent if the class provided it).
     _saved: dict[str, Any] = field(factory=dict, alias="saved")
@@ -187,40 +178,8 @@ class DecodingGuard:
             check_call_fits(state, module, kwargs)
 
     def check_replaced(self, module: torch.nn.Module, state: CacheLifecycle) -> None:
-        """A pinned layer whose tensors were replaced behind the lifecycle's back (beam reorders of a layer
-        without cachelife's in-place reorder, `Cache.crop`, `batch_select_indices`, code assigning
-        `layer.keys`, ...): copy their content back into the pinned tensors and warn once per cache, or
-        refuse with `ReplacedBuffersError`."""
-        replaced = state.replaced()
-        if not replaced:
-            return
-        self._replaced_seen = True
-        names = "; ".join(f"{layer.describe()}: {', '.join(tensors)}" for layer, tensors in replaced)
-        fix = (
-            "Replace no tensor of a pinned layer: write into it in place (copy_, index_copy_), or release and pin "
-            "the cache again."
-        )
-        if self.on_unpinned == "raise":
-            msg = (
-                f"{len(replaced)} pinned cache layer(s) of {type(module).__name__} hold tensors they were not "
-                f"pinned with ({names}), so CUDA graphs would skip or re-record. {fix}"
-            )
-            raise ReplacedBuffersError(msg)
-        for layer, _ in replaced:
-            layer.restore_buffers()
-        if state in self._warned_replaced:
-            logger.debug("replaced cache tensors restored again before %s's forward: %s", type(module).__name__, names)
-            return
-        self._warned_replaced.add(state)
-        logger.warning(
-            "%d pinned cache layer(s) reached %s's forward holding tensors they were not pinned with (%s); "
-            "cachelife copied their content back into the pinned tensors, at the pinned addresses. %s Pass "
-            "on_unpinned='raise' to cachelife.enable to make this an error.",
-            len(replaced),
-            type(module).__name__,
-            names,
-            fix,
-        )
+        """Pinned layers holding replaced tensors: restored and warned about, or refused (`replaced`)."""
+        self._replaced.restore_or_refuse(type(module).__name__, state, refuse=self.on_unpinned == "raise")
 
     def pin_late(
         self, module: torch.nn.Module, cache: ManagedCache, state: CacheLifecycle, kwargs: Mapping[str, Any]
@@ -270,21 +229,7 @@ class DecodingGuard:
                 layer.fill(FillRecord("forward", call_arguments.encoder_length(kwargs), compiled))
 
     def report_cudagraph_skips(self, module: torch.nn.Module) -> None:
-        """Warn when torch skipped CUDA graphs since the last look (the graph then runs correct but slow),
-        naming the reason torch gave and its fix."""
-        skips = int(counters["inductor"]["cudagraph_skips"])
-        if skips <= self._skips_seen:
-            return
-        log = skips_log()
-        reasons = log.since(self._skip_lines_seen)
-        logger.warning(
-            "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded, so they run correct but slow: %s",
-            skips - self._skips_seen,
-            type(module).__name__,
-            skips_describe(reasons, caches_hold_pinned_tensors=not self._replaced_seen),
-        )
-        self._skips_seen = skips
-        self._skip_lines_seen = log.count
+        self._skips.report(type(module).__name__, caches_hold_pinned_tensors=not self._replaced.seen)
 
     def guard_compiled_call(self, model: PreTrainedModel, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap transformers' auto-compiled `__call__` so the boundary checks run eagerly around it."""
@@ -353,27 +298,3 @@ def guard_of(model: object) -> DecodingGuard | None:
     """The guard installed on `model`, or None when cachelife is not enabled for it."""
     guard = getattr(model, "__dict__", {}).get(_GUARD_ATTRIBUTE)
     return guard if isinstance(guard, DecodingGuard) else None
-
-
-def check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mapping[str, Any]) -> None:
-    """Before a cache's first forward call: its pinned buffers must fit this model and this call (batch,
-    heads, head dims, dtype, each layer's device, and the positions the call writes), host facts only."""
-    shapes = model_cache_shapes(model)
-    expected = [*shapes.self_attention, *shapes.cross_attention]
-    if len(expected) != len(state.layers):
-        msg = (
-            f"the cache has {len(state.self_attention)} self-attention and {len(state.cross_attention)} "
-            f"cross-attention layers but {type(model).__name__} has {len(shapes.self_attention)} and "
-            f"{len(shapes.cross_attention)}: is it a cache of another model?"
-        )
-        raise CacheShapeError(msg)
-    batch_size = call_arguments.batch_size(kwargs)
-    query_length = call_arguments.query_length(kwargs)
-    devices = cache_layer_devices(model, len(shapes.self_attention), len(shapes.cross_attention))
-    for layer, shape, device in zip(state.layers, expected, devices, strict=True):
-        # An empty full-attention self-attention layer must hold every position the call writes.
-        writes_from_empty = (
-            layer.role == "self" and isinstance(layer.state, Pinned) and not buffers.is_sliding_layer(layer.layer)
-        )
-        need = Need(batch_size, shape, model.dtype, device, query_length if writes_from_empty else None)
-        check_fits(layer, need, request="call")

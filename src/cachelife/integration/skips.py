@@ -8,6 +8,7 @@ can name the reason torch gave, not a guess, and the fix that matches it.
 The compile-cache advice (a graph compiled earlier over caches that were not marked static, loaded from the
 compile cache: torch 2.11 and 2.12 leave static inputs out of the cache key) is given only for "mutated
 inputs" on those torch versions, when every managed cache layer still holds its pinned tensors.
+`SkipReporter` is what the decoding guard warns with after a compiled forward call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections import deque
 from typing import Final
 
 import torch
-from attrs import frozen
+from attrs import define, field, frozen
+from torch._dynamo.utils import counters
 
 # Where torch logs the skip: `cudagraphs_log` (2.11 and later); `perf_hint_log` in earlier releases.
 _TORCH_LOGGERS: Final = (
@@ -26,6 +28,7 @@ _TORCH_LOGGERS: Final = (
     "torch._inductor.cudagraph_utils.__perf_hints",
 )
 _PREFIX: Final = "skipping cudagraphs due to "
+logger = logging.getLogger(__name__)
 _KEPT: Final = 64
 
 
@@ -176,3 +179,31 @@ def describe(reasons: list[str], *, caches_hold_pinned_tensors: bool) -> str:
     if not parts:
         return "torch logged no reason this process could read (its cudagraphs log may be turned off)"
     return " | ".join(parts)
+
+
+def _skips_now() -> int:
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+@define
+class SkipReporter:
+    """Warns when torch skipped CUDA graphs since the last look (a graph then runs correct but slow), naming
+    the reason torch gave and its fix."""
+
+    # CUDA-graph skips counted by torch, and skip reasons logged, when this reporter last looked.
+    _skips_seen: int = field(factory=_skips_now, alias="skips_seen")
+    _lines_seen: int = field(factory=lambda: skip_log().count, alias="lines_seen")
+
+    def report(self, who: str, *, caches_hold_pinned_tensors: bool) -> None:
+        skips = _skips_now()
+        if skips <= self._skips_seen:
+            return
+        log = skip_log()
+        logger.warning(
+            "torch skipped CUDA graphs for %d compiled graph(s) while %s decoded, so they run correct but slow: %s",
+            skips - self._skips_seen,
+            who,
+            describe(log.since(self._lines_seen), caches_hold_pinned_tensors=caches_hold_pinned_tensors),
+        )
+        self._skips_seen = skips
+        self._lines_seen = log.count
