@@ -190,3 +190,16 @@ def test_whole_cache_verdicts_follow_every_transition() -> None:
     assert (state.is_pinned, state.is_filled) == (True, True)
     state.cross_attention[1].release()
     assert (state.is_pinned, state.is_filled) == (False, False)
+
+
+def test_reprs_are_short_and_say_the_states() -> None:
+    built = zoo.build("t5")
+    model = cachelife.enable(built.model)
+    cache = cachelife.prepare_static_cache(model, batch_size=2, max_cache_len=8, encoder_length=9)
+    state = cachelife.lifecycle(cache)
+    assert repr(state) == "<CacheLifecycle 2 self-attention and 2 cross-attention layers: 4 Pinned>"
+    assert repr(state.layers[2]) == "<LayerLifecycle 0 cross: Pinned 2x4x9x16 float32 on cpu>"
+    pool = cachelife.pool_of(model)
+    assert pool is not None
+    assert repr(pool).startswith("CachePool(0 idle set(s), 0 of 4294967296 bytes")
+    assert len(repr(cachelife.runtime_of(model))) < 200

@@ -77,6 +77,16 @@ class CacheLifecycle:
     # what each pinned layer must still hold, compared by identity once per decoding step.
     _watched: tuple[int, tuple[Watched, ...]] = field(default=(-1, ()), alias="watched")
 
+    def __repr__(self) -> str:
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            counts[type(layer.state).__name__] = counts.get(type(layer.state).__name__, 0) + 1
+        states = ", ".join(f"{count} {name}" for name, count in counts.items())
+        return (
+            f"<CacheLifecycle {len(self.self_attention)} self-attention and {len(self.cross_attention)} "
+            f"cross-attention layers: {states}>"
+        )
+
     @property
     def layers(self) -> tuple[LayerLifecycle, ...]:
         """Every layer: self-attention layers in order, then cross-attention layers in order."""

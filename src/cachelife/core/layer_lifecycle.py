@@ -252,6 +252,15 @@ class LayerLifecycle:
             ",".join(names),
         )
 
+    def __repr__(self) -> str:
+        state = self._state
+        if isinstance(state, Pinned | Filled):
+            shape = "x".join(map(str, state.buffers.key_shape))
+            dtype = str(state.buffers.dtype).removeprefix("torch.")
+            where = f"{shape} {dtype} on {state.buffers.device}"
+            return f"<LayerLifecycle {self.index} {self.role}: {type(state).__name__} {where}>"
+        return f"<LayerLifecycle {self.index} {self.role}: {type(state).__name__}>"
+
     def describe(self) -> str:
         """Name the layer for messages: index and role, and that it stores nothing if it is `NoStorage`."""
         if isinstance(self._state, NoStorage):

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run it, and return the process exit status."""
     args = build_parser(program_name(sys.argv[0])).parse_args(argv)
     if args.command == "demo":
-        report = run_demo(
+        demo = run_demo(
             model_name=args.model,
             device=args.device,
             batch_size=args.batch_size,
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             calls=args.calls,
             out=sys.stdout,
         )
-        return 0 if report.ok else 1
+        return 0 if demo.ok else 1
     report = run_recipe(
         args.model,
         use_cachelife=not args.without_cachelife,
