@@ -268,10 +268,9 @@ def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
         ("t5", {"stopping_criteria": StoppingCriteriaList([_Never()])}, "stopping_criteria"),
         ("t5", {"prefix_allowed_tokens_fn": lambda batch, ids: [3, 4]}, "prefix_allowed_tokens_fn"),
         ("t5", {"return_dict_in_generate": True}, "return_dict_in_generate"),
-        ("t5", {"output_scores": True}, "output_scores"),
-        ("t5", {"num_beams": 2, "do_sample": True}, "generation mode 'beam_sample'"),
-        ("t5", {"exponential_decay_length_penalty": (2, 1.5)}, "ExponentialDecayLengthPenalty"),
-        ("t5", {"encoder_repetition_penalty": 1.3}, "EncoderRepetitionPenaltyLogitsProcessor"),
+        ("t5", {"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate"),
+        ("t5", {"num_beams": 2, "do_sample": True}, "num_beams > 1 with do_sample=True (beam sampling)"),
+        ("t5", {"encoder_repetition_penalty": 1.3}, "encoder_repetition_penalty"),
         ("whisper", {"return_timestamps": True}, "return_timestamps"),
         ("llama", {"padded": True}, "padded prompts for a decoder-only model"),
     ]
@@ -299,6 +298,28 @@ def test_unsupported_features_fall_back_with_one_warning_or_raise(
         assert not isinstance(got, torch.Tensor) or settings.get("do_sample")
     with pytest.raises(UnsupportedGenerationError, match=feature.replace("(", r"\(").replace(")", r"\)")):
         cachelife.generate(built.model, compile_step=False, fallback=False, **inputs, max_new_tokens=6, **settings)
+
+
+@pytest.mark.parametrize("ignored", [{"output_scores": True}, {"output_logits": True}, {"tokenizer": object()}])
+def test_arguments_generate_ignores_alone_decode_on_the_fast_path(ignored: dict[str, Any]) -> None:
+    built = build("t5")
+    expected = reference(built, max_new_tokens=6)
+    assert torch.equal(ours(built, max_new_tokens=6, **ignored), expected)
+
+
+def test_a_fallback_warns_once_per_model_and_feature_naming_the_way_out(caplog: pytest.LogCaptureFixture) -> None:
+    built, other = build("t5"), build("t5")
+    settings: dict[str, Any] = {"max_new_tokens": 4, "encoder_repetition_penalty": 1.3}
+    with caplog.at_level(logging.WARNING, logger="cachelife"):
+        for model in (built.model, built.model, other.model):
+            cachelife.generate(model, compile_step=False, **inputs_of(built), **settings)
+        beam_sample: dict[str, Any] = {"max_new_tokens": 4, "num_beams": 2, "do_sample": True}
+        cachelife.generate(built.model, compile_step=False, **inputs_of(built), **beam_sample)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 3, messages  # once per model for the penalty, once for the other feature
+    assert "leave out encoder_repetition_penalty to decode on cachelife's fast path" in messages[0]
+    assert "fallback=False" in messages[0]
+    assert "num_beams > 1 with do_sample=True (beam sampling)" in messages[2]
 
 
 def test_whisper_long_form_and_streamers_fall_back() -> None:

@@ -75,7 +75,7 @@ def generate(
     with runtime.lock, collecting_after_compilation():
         feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
         if feature is not None:
-            fall_back(feature, fallback)
+            fall_back(feature, fallback, model)
             return model.generate(**kwargs)
         settings = LoopSettings(
             steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options, buckets
@@ -83,7 +83,7 @@ def generate(
         called: list[bool] = []
         output = model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True)))
         if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
-            fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback)
+            fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback, model)
         return _tokens(output)
 
 

@@ -30,7 +30,6 @@ FALLBACK_ARGUMENTS: tuple[str, ...] = (
     "negative_prompt_attention_mask",
     "custom_generate",
     "synced_gpus",
-    "tokenizer",
     "constraints",
     "force_words_ids",
     "cache",
@@ -110,12 +109,30 @@ def merged_config(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> Generati
     return config
 
 
+# Outputs that `generate` returns only inside the output object of `return_dict_in_generate=True`: alone, it
+# ignores them, and so does cachelife.
+_OUTPUT_FIELDS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# What the user passed for a generation mode cachelife does not run, by the mode's name.
+_MODE_ARGUMENTS: Mapping[str, str] = {
+    "beam_sample": "num_beams > 1 with do_sample=True (beam sampling)",
+    "group_beam_search": "num_beam_groups > 1 (group beam search)",
+    "constrained_beam_search": "constraints or force_words_ids (constrained beam search)",
+    "assisted_generation": "assistant_model or prompt_lookup_num_tokens (assisted generation)",
+    "contrastive_search": "penalty_alpha with top_k (contrastive search)",
+    "dola_generation": "dola_layers (DoLa decoding)",
+}
+
+
 def unsupported_config(config: GenerationConfig, assistant: object = None) -> str | None:
-    """The first setting of a merged generation config that asks for an unimplemented feature."""
+    """The first setting of a merged generation config that asks for an unimplemented feature, named as the
+    user sets it."""
     mode = config.get_generation_mode(assistant)
     if mode not in SUPPORTED_MODES:
-        return f"generation mode {mode.value!r}"
+        return _MODE_ARGUMENTS.get(mode.value, f"generation mode {mode.value!r}")
+    returns_dict = bool(getattr(config, "return_dict_in_generate", False))
     for name in FALLBACK_CONFIG_FIELDS:
+        if name in _OUTPUT_FIELDS and not returns_dict:
+            continue
         if getattr(config, name, None) not in _NEUTRAL_CONFIG[name]:
             return name
     return None

@@ -33,12 +33,23 @@ from cachelife.integration.runtime import collecting_after_compilation, runtime_
 logger = logging.getLogger(__name__)
 
 
-def fall_back(feature: str, fallback: bool) -> None:
-    """Log the one WARNING of a fallback, or raise `UnsupportedGenerationError` with `fallback=False`."""
+def fall_back(feature: str, fallback: bool, model: PreTrainedModel) -> None:
+    """Name the feature and the way out: one WARNING per model and feature (later ones at DEBUG), or
+    `UnsupportedGenerationError` with `fallback=False`."""
+    leave_out = f"leave out {feature} to decode on cachelife's fast path"
     if not fallback:
-        msg = f"cachelife.generate does not implement {feature}; call model.generate, or pass fallback=True"
+        msg = (
+            f"cachelife.generate does not implement {feature}: {leave_out}, or call model.generate (or "
+            "cachelife.generate with fallback=True) for transformers' own loop"
+        )
         raise UnsupportedGenerationError(msg)
-    logger.warning("cachelife.generate falls back to model.generate: it does not implement %s", feature)
+    first = runtime_of(model).warn_once(("fallback", feature))
+    logger.log(
+        logging.WARNING if first else logging.DEBUG,
+        "cachelife.generate falls back to model.generate (transformers' host loop, eager speed) for %s: %s",
+        feature,
+        f"{leave_out}, or pass fallback=False to make this an error",
+    )
 
 
 def unsupported_criterion(criteria: StoppingCriteriaList) -> str | None:
@@ -79,7 +90,7 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
             or unsupported_prompt(model, model_kwargs)
         )
         if feature is not None:
-            fall_back(feature, settings.fallback)
+            fall_back(feature, settings.fallback, model)
             mode = generation_config.get_generation_mode()
             method = model._beam_search if mode == GenerationMode.BEAM_SEARCH else model._sample
             result = method(

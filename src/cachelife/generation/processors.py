@@ -14,6 +14,9 @@ held as 0-dim tensors too, so that calls of other lengths share the compiled ste
 | SuppressTokensLogitsProcessor         | called                                    |
 | TemperatureLogitsWarper               | called                                    |
 | TopKLogitsWarper, TopPLogitsWarper    | called                                    |
+| MinPLogitsWarper, TypicalLogitsWarper | called                                    |
+| EpsilonLogitsWarper                   | called                                    |
+| EtaLogitsWarper                       | rewritten (the entropy without torch.distributions' checks) |
 | InfNanRemoveLogitsProcessor           | called                                    |
 | LogitNormalization                    | called                                    |
 | SuppressTokensAtBeginLogitsProcessor  | rewritten (`length == begin_index`)       |
@@ -24,6 +27,8 @@ held as 0-dim tensors too, so that calls of other lengths share the compiled ste
 | RepetitionPenaltyLogitsProcessor      | rewritten (tokens past `length` masked)   |
 | NoRepeatNGramLogitsProcessor          | rewritten (n-grams ending past `length` masked) |
 | NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor | rewritten (prefixes read at `length`) |
+| EncoderNoRepeatNGramLogitsProcessor   | rewritten (the encoder's n-grams as tensors) |
+| ExponentialDecayLengthPenalty         | rewritten (`length > start`, the power in float64) |
 
 Any other processor (custom lists, `prefix_allowed_tokens_fn`, Whisper timestamps, ...) is named by
 `unsupported_processor` so that the caller can fall back to transformers' own loop.
@@ -47,6 +52,9 @@ _CALLED: tuple[type[lp.LogitsProcessor], ...] = (
     lp.TemperatureLogitsWarper,
     lp.TopKLogitsWarper,
     lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
     lp.InfNanRemoveLogitsProcessor,
     lp.LogitNormalization,
 )
@@ -168,6 +176,64 @@ class _SequenceBias:
         return scores + bias
 
 
+@frozen
+class _Eta:
+    """EtaLogitsWarper, its entropy computed as `torch.distributions.Categorical(logits=scores).entropy()`
+    computes it, without the distribution's argument checks (a host sync under a compiled step)."""
+
+    epsilon: torch.Tensor
+    min_tokens_to_keep: int
+    filter_value: float
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probabilities = scores.softmax(dim=-1)
+        normalized = scores - scores.logsumexp(dim=-1, keepdim=True)
+        smallest = torch.finfo(normalized.dtype).min
+        entropy = -(normalized.clamp(min=smallest) * normalized.softmax(dim=-1)).sum(-1)
+        epsilon = self.epsilon.to(scores.device)
+        eta = torch.min(epsilon, torch.sqrt(epsilon) * torch.exp(-entropy))[..., None]
+        top_k = min(self.min_tokens_to_keep, scores.size(-1))
+        remove = (probabilities < eta) & (scores < torch.topk(scores, top_k)[0][..., -1, None])
+        return scores.masked_fill(remove, self.filter_value)
+
+
+@frozen
+class _EncoderNoRepeatNGram:
+    """EncoderNoRepeatNGramLogitsProcessor: the tokens that would complete an n-gram of the encoder's input
+    after the last n - 1 tokens, per input (beams of one input share its n-grams)."""
+
+    size: int
+    prefixes: torch.Tensor  # (batch, most n-grams of one input, n - 1), padded
+    nexts: torch.Tensor  # (batch, most n-grams), padded with the vocabulary size (a spare column)
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        rows, width, vocab = tokens.shape[0], tokens.shape[1], scores.shape[-1]
+        inputs = torch.arange(rows, device=tokens.device) // (rows // self.prefixes.shape[0])
+        at = (length - (self.size - 1) + torch.arange(self.size - 1, device=tokens.device)).clamp(0, width - 1)
+        last = tokens.index_select(1, at)  # (rows, n - 1)
+        matches = (self.prefixes[inputs] == last[:, None, :]).all(dim=-1) & (length >= self.size - 1)
+        banned = scores.new_zeros((rows, vocab + 1), dtype=torch.bool)
+        banned = banned.scatter(1, torch.where(matches, self.nexts[inputs].clamp(max=vocab), vocab), True)
+        return scores.masked_fill(banned[:, :vocab], -float("inf"))
+
+
+@frozen
+class _ExponentialDecay:
+    """ExponentialDecayLengthPenalty: once `length > start`, the end tokens' scores grow by
+    |score| * (factor ** (length - start) - 1), the power in float64 as Python computes it."""
+
+    eos: torch.Tensor
+    start: torch.Tensor  # 0-dim: the prompt length plus the configured start
+    factor: torch.Tensor  # 0-dim float64
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        at_eos = scores.index_select(1, self.eos)
+        growth = (torch.pow(self.factor, (length - self.start).to(torch.float64)) - 1).to(scores.dtype)
+        penalty = (at_eos.abs() * growth).masked_fill(~torch.isfinite(at_eos), 0.0)
+        penalised = scores.index_copy(1, self.eos, at_eos + penalty)
+        return torch.where(length > self.start, penalised, scores)
+
+
 # Attributes the rewrites read, as transformers 5.24 names them; a version without them falls back.
 _READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
     lp.RepetitionPenaltyLogitsProcessor: ("penalty", "prompt_ignore_length"),
@@ -175,16 +241,36 @@ _READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
     lp.NoBadWordsLogitsProcessor: ("sequence_bias", "prepared_bias_variables"),
     lp.SuppressTokensAtBeginLogitsProcessor: ("begin_suppress_tokens", "begin_index"),
     lp.MinNewTokensLengthLogitsProcessor: ("prompt_length_to_skip", "min_new_tokens", "eos_token_id"),
+    lp.EtaLogitsWarper: ("epsilon", "min_tokens_to_keep", "filter_value"),
+    lp.EncoderNoRepeatNGramLogitsProcessor: ("ngram_size", "generated_ngrams", "batch_size"),
+    lp.ExponentialDecayLengthPenalty: ("regulation_start", "regulation_factor", "eos_token_id"),
+}
+
+
+# The argument of `generate` (or of Whisper's) behind each processor cachelife leaves to transformers.
+_ARGUMENT_OF: dict[str, str] = {
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "WhisperTimeStampLogitsProcessor": "return_timestamps (Whisper's timestamp rules)",
+    "WhisperNoSpeechDetection": "no_speech_threshold (Whisper)",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "HammingDiversityLogitsProcessor": "diversity_penalty",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+    "WatermarkLogitsProcessor": "watermarking_config",
+    "AlternatingCodebooksLogitsProcessor": "the model's codebook rules",
 }
 
 
 def unsupported_processor(processors: Sequence[lp.LogitsProcessor]) -> str | None:
-    """The class name of the first processor that `tensor_processors` cannot run, or None."""
+    """The argument behind the first processor that `tensor_processors` cannot run (a custom processor by its
+    class), or None."""
     known = (*_CALLED, *_REWRITTEN)
     for processor in processors:
         kind = type(processor)
         if kind not in known:
-            return kind.__name__
+            name = kind.__name__
+            return _ARGUMENT_OF.get(name, f"logits_processor (a {name}, which cachelife does not run)")
         missing = [name for name in _READS.get(kind, ()) if not hasattr(processor, name)]
         if missing:
             return f"{kind.__name__} of this transformers version (no {', '.join(missing)})"
@@ -206,7 +292,7 @@ def _eos(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.to(device=device, dtype=torch.long).view(-1)
 
 
-def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.device) -> TensorProcessor:  # noqa: PLR0911 (one case per processor class)
+def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.device) -> TensorProcessor:  # noqa: PLR0911, PLR0912 (one case per processor class)
     match processor:
         case lp.SuppressTokensAtBeginLogitsProcessor():
             begin = _scalar(int(processor.begin_index), device)
@@ -231,6 +317,14 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
             return _NoRepeatNGram(processor.ngram_size)
         case lp.SequenceBiasLogitsProcessor():  # NoBadWordsLogitsProcessor included
             return _sequence_bias(processor, vocab_size, device)
+        case lp.EtaLogitsWarper():
+            return _Eta(processor.epsilon, int(processor.min_tokens_to_keep), float(processor.filter_value))
+        case lp.EncoderNoRepeatNGramLogitsProcessor():
+            return _encoder_ngrams(processor, vocab_size, device)
+        case lp.ExponentialDecayLengthPenalty():
+            start = _scalar(int(processor.regulation_start), device)
+            factor = torch.tensor(float(processor.regulation_factor), dtype=torch.float64, device=device)
+            return _ExponentialDecay(_eos(processor.eos_token_id, device), start, factor)
         case _:
             return _Called(processor)
 
@@ -261,6 +355,25 @@ def _sequence_bias(processor: lp.SequenceBiasLogitsProcessor, vocab_size: int, d
     return _SequenceBias(single, groups, extra_context=0 if hasattr(processor, "multi_token_biases") else 1)
 
 
+def _encoder_ngrams(
+    processor: lp.EncoderNoRepeatNGramLogitsProcessor, vocab_size: int, device: torch.device
+) -> _EncoderNoRepeatNGram:
+    """From the processor's own n-grams ({prefix: [next tokens]} per input), padded to one tensor."""
+    size = int(processor.ngram_size)
+    per_input = [
+        [(prefix, token) for prefix, tokens in ngrams.items() for token in tokens]
+        for ngrams in processor.generated_ngrams
+    ]
+    most = max(1, *(len(pairs) for pairs in per_input))
+    prefixes = torch.full((len(per_input), most, size - 1), -1, dtype=torch.long)
+    nexts = torch.full((len(per_input), most), vocab_size, dtype=torch.long)
+    for row, pairs in enumerate(per_input):
+        for column, (prefix, token) in enumerate(pairs):
+            prefixes[row, column] = torch.tensor(prefix, dtype=torch.long)
+            nexts[row, column] = token
+    return _EncoderNoRepeatNGram(size, prefixes.to(device), nexts.to(device))
+
+
 _REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
     lp.SuppressTokensAtBeginLogitsProcessor,
     lp.MinLengthLogitsProcessor,
@@ -271,4 +384,7 @@ _REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
     lp.NoRepeatNGramLogitsProcessor,
     lp.SequenceBiasLogitsProcessor,
     lp.NoBadWordsLogitsProcessor,
+    lp.EtaLogitsWarper,
+    lp.EncoderNoRepeatNGramLogitsProcessor,
+    lp.ExponentialDecayLengthPenalty,
 )
