@@ -25,9 +25,8 @@ equal eager, CUDA-graph skips, re-records after the first call, and dynamo recom
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
+import functools
 import os
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import torch
 from transformers import CompileConfig
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.results_file import bench_parser, results_file
 from bench.timing import marginal_runs, timed
 from cachelife.core import reorder
 from cachelife.integration import guard
@@ -182,32 +181,18 @@ def run(models: list[str], device: torch.device, beams: int, save: Callable[[dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if available)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--models", default="t5-small", help="comma-separated zoo models (default: t5-small)")
     parser.add_argument("--beams", type=int, default=4, help="num_beams (default: 4)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON result")
     args = parser.parse_args()
     device = pick_device(args.device)
-    record = {
-        **header("beams", device),
-        "settings": {
-            "batch_size": BATCH,
-            "input_length": LENGTH,
-            "num_beams": args.beams,
-            "new_tokens": [SHORT, LONG],
-            "dtype": "float32",
-        },
-        "models": {},
-    }
-    path = results_path(args.out, "beams", device)
-
-    def save(models: dict[str, Any]) -> None:
-        record["models"] = models
-        path.write_text(json.dumps(record, indent=1) + "\n")
-
-    run(args.models.split(","), device, args.beams, save)
-    print(f"wrote {path}")
+    settings = {
+        "batch_size": BATCH, "input_length": LENGTH, "num_beams": args.beams, "new_tokens": [SHORT, LONG],
+        "dtype": "float32",
+    }  # fmt: skip
+    results = results_file(args.out, "beams", device, "beams", {"settings": settings, "models": {}})
+    run(args.models.split(","), device, args.beams, functools.partial(results.put, "models"))
+    results.finish()
     return 0
 
 

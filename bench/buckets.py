@@ -24,7 +24,6 @@ times after its calls (at `--min-length` and at the bucket's length) are reporte
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -37,7 +36,7 @@ import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.results_file import bench_parser, results_file
 from bench.timing import greedy, timed
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
@@ -198,32 +197,27 @@ def marginal_ms(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="t5-small", help="a bucketable zoo model (t5, t5-small, bart, bart-small)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-length", type=int, default=33)
     parser.add_argument("--bucket", type=int, default=64, choices=BUCKETS)
-    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     if not 1 <= args.min_length <= args.bucket or args.calls < 1 or args.new_tokens < 4:
         parser.error("need 1 <= --min-length <= --bucket, --calls >= 1 and --new-tokens >= 4")
     device = pick_device(args.device)
     lengths = spread(args.calls, args.min_length, args.bucket)
     cost_lengths = sorted({args.min_length, args.bucket})
-    record: dict[str, Any] = {
-        **header("buckets", device),
-        "settings": {
-            "model": args.model, "batch_size": BATCH, "new_tokens": args.new_tokens, "calls": args.calls,
-            "encoder_lengths": lengths, "encoder_buckets": list(BUCKETS), "dtype": "float32",
-            "compile": {"mode": "reduce-overhead" if device.type == "cuda" else "default", "fullgraph": True},
-            "dynamo_recompile_limit": torch._dynamo.config.recompile_limit,
-            "dynamo_automatic_dynamic_shapes": torch._dynamo.config.automatic_dynamic_shapes,
-        },
-        "paths": {},
+    settings = {
+        "model": args.model, "batch_size": BATCH, "new_tokens": args.new_tokens, "calls": args.calls,
+        "encoder_lengths": lengths, "encoder_buckets": list(BUCKETS), "dtype": "float32",
+        "compile": {"mode": "reduce-overhead" if device.type == "cuda" else "default", "fullgraph": True},
+        "dynamo_recompile_limit": torch._dynamo.config.recompile_limit,
+        "dynamo_automatic_dynamic_shapes": torch._dynamo.config.automatic_dynamic_shapes,
     }  # fmt: skip
-    path = results_path(args.out, "buckets", device)
+    results = results_file(args.out, "buckets", device, "buckets", {"settings": settings, "paths": {}})
+    record = results.record
     print(f"== eager references for {len(set(lengths) | set(cost_lengths))} encoder lengths", flush=True)
     reference_model = zoo.build(args.model, device=device)
     references = {
@@ -240,7 +234,7 @@ def main() -> int:
             device, model_name=args.model, lengths=lengths, references=references, new_tokens=args.new_tokens,
             buckets=buckets, cost_lengths=cost_lengths,
         )  # fmt: skip
-        path.write_text(json.dumps(record, indent=1) + "\n")
+        results.save()
     print(f"== static baseline at encoder length {args.min_length}", flush=True)
     baseline = measure_static_baseline(
         device, model_name=args.model, length=args.min_length, new_tokens=args.new_tokens, references=references
@@ -257,10 +251,9 @@ def main() -> int:
         "extra_ms_per_step": round(padded[low] - baseline["marginal_ms_per_step"], 3),
         "marginal_ms_per_step_no_buckets_after_calls": dynamic,
     }
-    path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({name: {k: v for k, v in p.items() if k != "calls"} for name, p in record["paths"].items()}))
     print(json.dumps(record["padding_cost"]))
-    print(f"wrote {path}")
+    results.finish()
     return 0
 
 

@@ -22,7 +22,7 @@ compiled after the first call (recompiles), and peak device memory. Results go t
 
 from __future__ import annotations
 
-import argparse
+import functools
 import gc
 import json
 import os
@@ -35,7 +35,7 @@ import torch
 from transformers import CompileConfig
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, ROOT, header, results_path
+from bench.results_file import ROOT, bench_parser, results_file
 from bench.timing import greedy, marginal_runs, timed
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
@@ -178,25 +178,14 @@ def run(models: list[str], device: torch.device, save: Callable[[dict[str, Any]]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--models", default="t5-small,bart-small,whisper-small,llama-small")
-    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     device = pick_device(args.device)
-    record = {
-        **header("decode", device),
-        "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "dtype": "float32"},
-        "models": {},
-    }
-    path = results_path(args.out, "decode", device)
-
-    def save(models: dict[str, Any]) -> None:
-        record["models"] = models
-        path.write_text(json.dumps(record, indent=1) + "\n")
-
-    run(args.models.split(","), device, save)
-    print(f"wrote {path}")
+    settings = {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "dtype": "float32"}
+    results = results_file(args.out, "decode", device, "decode", {"settings": settings, "models": {}})
+    run(args.models.split(","), device, functools.partial(results.put, "models"))
+    results.finish()
     return 0
 
 

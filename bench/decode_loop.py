@@ -1,22 +1,22 @@
-"""cachelife's decode loop against `generate` with a compiled forward, and against the GPU kernel-time floor.
+"""cachelife's decoding loop against `generate` with a compiled forward, and against the GPU kernel-time floor.
 
     python -m bench.decode_loop [--device cuda|cpu] [--model t5-small] [--dtypes float32,bfloat16]
                                 [--steps-per-call 1,4]
 
-For each dtype, in one process and on the same inputs (batch 4, encoder or prompt length 48):
-- the marginal wall time per step of `cachelife.decode` (for each `steps_per_call`) and of `generate` with
-  cachelife and a compiled forward ((time for 192 new tokens - time for 64) / 128, best of 3);
-- on CUDA, the GPU kernel time per step of the decode loop, measured the same way with torch.profiler
+For each dtype, in one process, on the same inputs (batch 4, encoder or prompt length 48) and the model's own
+generation config, every call decoding exactly N new tokens (`min_new_tokens = max_new_tokens = N`):
+- the marginal wall time per step of `cachelife.generate(model, fallback=False, ...)` (the loop users get, for
+  each `steps_per_call`) and of `model.generate` with cachelife and a compiled forward (casts rounded as eager
+  rounds them, as in cachelife.generate's step) ((time for 192 new tokens - time for 64) / 128, best of 3);
+- on CUDA, the GPU kernel time per step of `cachelife.generate`, measured the same way with torch.profiler
   (kernel time of a 192-token run minus that of a 64-token run, over 128), and wall / kernel;
-- whether the loop's tokens equal eager `generate` (float32) or `generate` with the same compiled forward
+- whether cachelife.generate's tokens equal eager `generate` (float32) or `generate` with the same compiled forward
   (other dtypes), and the first diverging position otherwise.
 Writes `<out>/decode-loop-<device>-<date>.json`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +24,9 @@ from typing import Any
 import torch
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.generate import as_tokens, build, settings_for
+from bench.results_file import bench_parser, results_file
 from bench.timing import kernels_per_step, timed
-from cachelife.generation.decode import decode
-from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS = 4, 48, 64, 192, 3
@@ -54,25 +53,19 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call: list[int]) -> dict[str, Any]:
     torch._dynamo.reset()
-    built = zoo.build(name, device=device, dtype=dtype)
+    built = build(name, False, device, dtype)
     model = built.model
-    model.generation_config.forced_eos_token_id = None
-    model.generation_config.eos_token_id = None  # fixed lengths: every call decodes exactly N tokens
     inputs = built.inputs(BATCH, LENGTH, 1)
-    eager = zoo.generate_tokens(model, inputs, do_sample=False, max_new_tokens=LONG)
+    eager = as_tokens(model.generate(**inputs, **settings_for(name, 0, LONG)))
     cachelife.enable(model)
 
-    compiled = zoo.build(name, device=device, dtype=dtype).model
-    compiled.generation_config.forced_eos_token_id = None
-    compiled.generation_config.eos_token_id = None
-    cachelife.enable(compiled)
+    compiled = cachelife.enable(build(name, False, device, dtype).model)
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    cachelife.compile_forward(compiled, mode=mode, fullgraph=True)
+    # Rounded at every cast as eager rounds, as cachelife.generate's step is: the reference in other dtypes.
+    cachelife.compile_forward(compiled, mode=mode, fullgraph=True, options={"emulate_precision_casts": True})
 
     def generate(tokens: int) -> torch.Tensor:
-        return zoo.generate_tokens(
-            compiled, inputs, do_sample=False, max_new_tokens=tokens, cache_implementation="static"
-        )
+        return as_tokens(compiled.generate(**inputs, **settings_for(name, 0, tokens), cache_implementation="static"))
 
     _, generated = timed(device, lambda: generate(LONG))
     generate_ms = marginal_ms(device, generate)
@@ -81,7 +74,10 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call:
     for steps in steps_per_call:
 
         def loop(tokens: int, steps: int = steps) -> torch.Tensor:
-            return decode(model, inputs, max_new_tokens=tokens, steps_per_call=steps)
+            out = cachelife.generate(
+                model, fallback=False, steps_per_call=steps, **inputs, **settings_for(name, 0, tokens)
+            )
+            return as_tokens(out)
 
         compile_s, tokens = timed(device, lambda: loop(LONG))
         loop_ms = marginal_ms(device, loop)
@@ -106,26 +102,21 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, steps_per_call:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="t5-small")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--steps-per-call", default="1,4", help="cachelife.decode's steps_per_call values")
-    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--steps-per-call", default="1,4", help="cachelife.generate's steps_per_call values")
     args = parser.parse_args()
     steps = [int(value) for value in args.steps_per_call.split(",")]
     device = pick_device(args.device)
-    record: dict[str, Any] = {
-        **header("decode-loop", device),
-        "settings": {"model": args.model, "batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG]},
-        "results": [],
-    }
-    path = results_path(args.out, "decode-loop", device)
+    settings = {
+        "model": args.model, "loop": "cachelife.generate", "generation_config": "the model's own",
+        "batch_size": BATCH, "input_length": LENGTH, "new_tokens": [SHORT, LONG],
+    }  # fmt: skip
+    results = results_file(args.out, "decode-loop", device, "decode-loop", {"settings": settings, "results": []})
     for dtype in args.dtypes.split(","):
-        record["results"].append(measure(args.model, device, getattr(torch, dtype), steps))
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(json.dumps(record["results"][-1]), flush=True)
-    print(f"wrote {path}")
+        results.add(measure(args.model, device, getattr(torch, dtype), steps))
+    results.finish()
     return 0
 
 

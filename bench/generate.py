@@ -43,10 +43,10 @@ import torch
 from transformers import CompileConfig
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.results_file import bench_parser, results_file
 from bench.timing import kernels_per_step, timed
-from cachelife.generation import loop
-from cachelife.generation.loop import CudaGraphs
+from cachelife.generation import steps as loop_steps
+from cachelife.generation.steps import CudaGraphs
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
@@ -169,7 +169,7 @@ def with_full_guards(run: Run, tokens: int) -> torch.Tensor:
     def call_step(step: Callable[..., Any], check_guards: bool, /, *args: Any, **kwargs: Any) -> Any:
         return step(*args, **kwargs)
 
-    with unittest.mock.patch.object(loop, "call_step", call_step):
+    with unittest.mock.patch.object(loop_steps, "call_step", call_step):
         return run(tokens)
 
 
@@ -209,8 +209,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--models", default="whisper-large-v3,bart-large-cnn,t5-base")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--dtype", default="bfloat16")
@@ -228,17 +227,15 @@ def main() -> int:
     parser.add_argument("--input-length", type=int, default=64, help="prompt length of the text models")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the zoo's tiny models with the same configs")
-    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--tag", default="", help="added to the file name, so that runs split by model keep apart")
     args = parser.parse_args()
     device = pick_device(args.device)
-    record: dict[str, Any] = {**header("generate", device), "settings": vars(args), "results": []}
-    path = results_path(args.out, f"generate-{args.tag}" if args.tag else "generate", device)
+    stem = f"generate-{args.tag}" if args.tag else "generate"
+    results = results_file(args.out, stem, device, "generate", {"settings": vars(args), "results": []})
     for name in args.models.split(","):
         for batch in (int(value) for value in args.batches.split(",")):
-            record["results"].append(measure(name, batch, args, device))
-            path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {path}")
+            results.add(measure(name, batch, args, device), show=False)  # measure prints each path's line
+    results.finish()
     return 0
 
 

@@ -5,8 +5,8 @@
 Stages: tests (pytest -m gpu against the image's transformers and every wheel in `.whl/`
 (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
-under torchrun on the newest), and the benchmarks decode-loop, soak, decode, buckets and beams (newest
-transformers; each writes its JSON to --out/<stage>).
+under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its name (`python -m bench
+list`; newest transformers; each writes its JSON to --out/<stage>).
 
 `/` separates tracks that run at the same time, one after the other within a track; with several GPUs, track i
 runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first track (put the
@@ -40,6 +40,10 @@ import torch
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python3 bench/gpu_suite.py`: its own folder is on the path, not the root
+    sys.path.insert(0, str(ROOT))
+
+from bench.registry import BENCHMARKS  # noqa: E402 - importable once the repository root is on the path
 
 
 def versions(work: Path) -> dict[str, str]:
@@ -307,75 +311,8 @@ def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict
     return {"transformers": version, "processes": outcomes}
 
 
-def _levers(presets: str, *overrides: str) -> list[str]:
-    """A `bench.levers` stage: the whisper-large-v3 shape in bf16 at batch 1 unless `overrides` say otherwise
-    (argparse keeps the last value of an option given twice)."""
-    return ["bench.levers", "--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16",
-            "--presets", presets, *overrides]  # fmt: skip
-
-
-BENCHES = {
-    "decode-loop": ["bench.decode_loop", "--device", "cuda"],
-    "soak": ["bench.soak", "--device", "cuda", "--compile", "--calls", "100"],
-    "decode": ["bench.decode", "--device", "cuda"],
-    # What a second thread costs (calls on one model wait for each other), cachelife's graphs, fp32.
-    "threads": ["bench.threads", "--device", "cuda", "--model", "llama-small", "--calls", "16", "--threads", "1,2,4"],
-    "buckets": ["bench.buckets", "--device", "cuda"],
-    "beams": ["bench.beams", "--device", "cuda", "--models", "t5-small,whisper-small,llama-small"],
-    # cachelife.generate on real checkpoints' shapes and generation configs (bf16). Whisper's decoder prompt is
-    # 4 tokens, so 16 and 56 new tokens share cachelife's 64-column buffers (one compiled step per spc).
-    # cachelife's own graphs at several steps per call, and torch's cudagraph trees at one (`--trees-steps-per-call`).
-    "generate-whisper": [
-        "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4,8", "--paths", "auto,forward,cachelife",
-        "--repeats", "3",
-    ],
-    "generate-whisper-b8": [
-        "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "8", "--dtype",
-        "bfloat16", "--tokens", "16,56", "--steps-per-call", "1,4", "--paths", "auto,forward,cachelife",
-        "--repeats", "2", "--tag", "b8",
-    ],
-    "generate-whisper-beams": [
-        "bench.generate", "--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype",
-        "bfloat16", "--tokens", "16,48", "--beams", "5", "--steps-per-call", "1,4", "--paths", "forward,cachelife",
-        "--repeats", "2", "--tag", "beams5",
-    ],
-    "generate-bart": [
-        "bench.generate", "--device", "cuda", "--models", "bart-large-cnn", "--batches", "1,8", "--dtype",
-        "bfloat16", "--tokens", "16,48", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "bart",
-    ],
-    "generate-t5": [
-        "bench.generate", "--device", "cuda", "--models", "t5-base", "--batches", "1,8", "--dtype",
-        "bfloat16", "--tokens", "16,48", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "t5",
-    ],
-    "profile": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "1,8"],
-    # Each preset list runs its own baseline: correctness is judged against the baseline of the same run.
-    "levers-a": _levers("baseline,attention_math,attention_flash,freezing"),
-    "levers-b": _levers("baseline,coordinate_descent,combo_kernels,max_autotune_gemm"),
-    # Run 18: what helped together, flex attention, and the logit differences of both against the baseline.
-    "levers-c": _levers("baseline,together,attention_flex", "--logits"),
-    "levers-t5-small": _levers(
-        "baseline,combo_kernels,coordinate_descent,max_autotune_gemm,attention_flash,attention_flex,together",
-        "--model",
-        "t5-small",
-    ),
-    "levers-fp32": _levers("baseline,together", "--dtypes", "float32"),
-    "levers-b8": _levers("baseline,together", "--batch-size", "8"),
-    "generate-t5-small": [
-        "bench.generate", "--device", "cuda", "--models", "t5-small", "--batches", "1", "--dtype", "bfloat16",
-        "--tokens", "16,48", "--steps-per-call", "1,4,8", "--paths", "forward,cachelife", "--cuda-graphs",
-        "cachelife", "--repeats", "3", "--tag", "t5-small",
-    ],
-    "profile-b8": ["bench.profile_step", "--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "8"],
-    "warm-start": [
-        "bench.warm_start", "--device", "cuda", "--models", "t5-small", "--paths", "cachelife-generate", "--dtype",
-        "bfloat16",
-    ],
-    "warm-start-whisper": [
-        "bench.warm_start", "--device", "cuda", "--models", "whisper-large-v3", "--paths", "cachelife-generate",
-        "--dtype", "bfloat16",
-    ],
-}  # fmt: skip
+# The benchmark stages: every CUDA entry of the registry, under its name.
+BENCHES = {name: entry for name, entry in BENCHMARKS.items() if entry.device == "cuda"}
 
 
 def pin_track_cpus(index: int, tracks: int) -> None:
@@ -397,7 +334,7 @@ def run_bench(stage: str, found: dict[str, str], work: Path, out: Path, deadline
     with log.open("w") as sink:
         try:
             returncode = subprocess.run(
-                [sys.executable, "-m", *BENCHES[stage], "--out", str(out / stage)],
+                [sys.executable, *BENCHES[stage].command, "--out", str(out / stage)],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 env=environment(path),

@@ -45,7 +45,7 @@ import cachelife
 from bench.child import run_child
 from bench.decode_loop import first_divergence
 from bench.generate import as_tokens, build, settings_for
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.results_file import bench_parser, results_file
 from bench.timing import kernels_per_step, timed
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compiled import InductorOptions
@@ -196,8 +196,7 @@ def correctness(scratch: Path, preset: str, dtype: str, logits: bool) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="whisper-small")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -206,7 +205,6 @@ def main() -> int:
     parser.add_argument("--short", type=int, default=128, help="new tokens of the short timed run")
     parser.add_argument("--long", type=int, default=188, help="new tokens of the long timed run")
     parser.add_argument("--logits", action="store_true", help="teacher-forced logit differences (not in float32)")
-    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--child", choices=PRESETS, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -223,25 +221,18 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown presets {unknown}; choose from {', '.join(PRESETS)}")
     device = pick_device(args.device)
-    record: dict[str, Any] = {
-        **header("levers", device),
-        "settings": {
-            "model": args.model, "batch_size": args.batch_size, "input_length": LENGTH, "tokens": args.tokens,
-            "timed_new_tokens": [args.short, args.long], "steps_per_call": 1,
-        },
-        "results": [],
+    settings = {
+        "model": args.model, "batch_size": args.batch_size, "input_length": LENGTH, "tokens": args.tokens,
+        "timed_new_tokens": [args.short, args.long], "steps_per_call": 1,
     }  # fmt: skip
     chosen = "" if set(presets) == set(PRESETS) else "-" + "-".join(presets[1:] or presets)
     stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '-')}{chosen}"
-    out = results_path(args.out, stem, device)
+    results = results_file(args.out, stem, device, "levers", {"settings": settings, "results": []})
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
             for preset in presets:
-                result = {"dtype": dtype, **run_preset(preset, args, dtype, Path(scratch))}
-                record["results"].append(result)
-                out.write_text(json.dumps(record, indent=1) + "\n")
-                print(json.dumps(result), flush=True)
-    print(f"wrote {out}")
+                results.add({"dtype": dtype, **run_preset(preset, args, dtype, Path(scratch))})
+    results.finish()
     return 0
 
 

@@ -1,29 +1,31 @@
-"""Where one decode step's time goes: the kernels of `cachelife.decode`'s compiled step, grouped by kind.
+"""Where one decoding step's time goes: the kernels of `cachelife.generate`'s compiled step, grouped by kind.
 
     python -m bench.profile_step [--device cuda|cpu] [--model t5-small] [--batch-sizes 1,8]
                                  [--dtype bfloat16] [--bandwidth 4.8e12]
 
-For each batch size (input length 48): `cachelife.decode` with one compiled step per call (CUDA graphs on a
-GPU) is warmed up, then profiled with torch.profiler for 64 and for 192 new tokens; every number per step is
-(192-token run - 64-token run) / 128, so prefill drops out. The two runs' caches hold 65 and 193 positions and
-SDPA over a static cache reads every position, so attention's share comes out somewhat above that of one step
-over 193 positions. Kernels are grouped by name, first match wins: attention (sdpa, flash, fmha, attention),
-matrix products (gemm, gemv, split-K, mm, matmul, cutlass, cuBLAS's xmma and nvjet; linear on a CPU), cache
-writes (index_copy, index_put, scatter), norms (norm, rms, rsqrt), other fused triton kernels (triton_),
-copies (copy, memcpy, memset, cat), other. Per group: kernels and GPU time per step, and the ten costliest
-kernel names. Per step: total kernel time, wall time (marginal, as bench/decode_loop.py measures it), and the
-bytes that must at least be read: the weights of every linear layer the step runs (found by counting calls in
-an eager step; cross-attention key/value projections run at prefill only) for matrix products, and the whole
-pinned cache's keys and values (193 positions) for attention; against `--bandwidth` bytes per second, the time
-that floor takes and the fraction of it a group reaches. On a CPU it profiles CPU operators (self time, summed
-over threads) instead: kernel grouping needs CUDA.
+For each batch size (input length 48), `cachelife.generate(model, fallback=False, ...)` on the model with its
+own generation config (Whisper: language "en", task "transcribe", as bench/generate.py), every call decoding
+exactly N new tokens, with one compiled step per call (CUDA graphs on a GPU), is warmed up, then profiled with
+torch.profiler for 64 and for 192 new tokens; every number per step is (192-token run - 64-token run) / 128,
+so prefill drops out. cachelife.generate's caches hold its token buffers' width (the decoder prompt plus the
+new tokens, rounded up to a multiple of 64) plus one position, and SDPA over a static cache reads every
+position, so attention's share comes out somewhat above that of one step over the long run's length. Kernels
+are grouped by name, first match wins: attention (sdpa, flash, fmha, attention), matrix products (gemm, gemv,
+split-K, mm, matmul, cutlass, cuBLAS's xmma and nvjet; linear on a CPU), cache writes (index_copy, index_put,
+scatter), norms (norm, rms, rsqrt), other fused triton kernels (triton_), copies (copy, memcpy, memset, cat),
+other. Per group: kernels and GPU time per step, and the ten costliest kernel names. Per step: total kernel
+time, wall time (marginal, as bench/decode_loop.py measures it), and the bytes that must at least be read: the
+weights of every linear layer the step runs (found by counting calls in an eager run of the same loop,
+`compile_step=False`; cross-attention key/value projections run at prefill only) for matrix products, and the
+whole pinned cache's keys and values of the 192-token run (cross-attention included) for attention; against
+`--bandwidth` bytes per second, the time that floor takes and the fraction of it a group reaches. On a CPU it
+profiles CPU operators (self time, summed over threads) instead: kernel grouping needs CUDA.
 Writes `<out>/profile-step-<device>-<date>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -32,18 +34,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from attrs import frozen
 from torch.profiler import ProfilerActivity, profile
 from transformers import PreTrainedModel
 
 import cachelife
-from bench.models import for_decode
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.generate import as_tokens, build, settings_for
+from bench.results_file import bench_parser, results_file
 from bench.timing import timed
-from cachelife.generation.decode import decode
-from cachelife.tools import zoo
+from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.tools.recipe import pick_device
 
 LENGTH, SHORT, LONG, REPEATS = 48, 64, 192, 3
+Run = Callable[..., torch.Tensor]  # run(new_tokens, compile_step=True): the profiled loop's call
 
 # Kernel kinds, first match wins: attention before matrix products (flash-attention and cutlass attention kernels
 # carry gemm-like names), and a fused triton kernel that writes the cache is a cache write.
@@ -106,36 +109,45 @@ def per_step_groups(short: dict[str, tuple[int, float]], long: dict[str, tuple[i
     }
 
 
-def step_weight_bytes(model: PreTrainedModel, inputs: zoo.Inputs) -> int:
-    """Bytes of the weights (and biases) of every linear layer an eager decode step calls: prefill calls each
-    used layer once, each of 2 later steps once more, so a layer called more than once runs every step."""
+@frozen
+class StepBytes:
+    """The least bytes a decoding step reads: the weights of the linear layers it runs, and the pinned cache."""
+
+    weights: int
+    cache: int
+
+
+def step_bytes(model: PreTrainedModel, run: Run) -> StepBytes:
+    """Bytes of the weights (and biases) of every linear layer a decoding step calls, and of the keys and values
+    of the cache the loop pinned (cross-attention included), from one eager run of the same loop
+    (`run(LONG, compile_step=False)`): prefill calls each used layer once, each later step once more, so a layer
+    called more than once runs every step; the cache is read off the model's first call, prefill's."""
     calls: Counter[torch.nn.Module] = Counter()
-    handles = [
-        module.register_forward_hook(lambda module, _args, _output: calls.update([module]))
-        for module in model.modules()
-        if isinstance(module, torch.nn.Linear)
-    ]
+    caches: list[int] = []
+
+    def count(module: torch.nn.Module, _args: object, _output: object) -> None:
+        calls.update([module])
+
+    def pinned_bytes(_module: torch.nn.Module, _args: object, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get(cache_argument_name(model))
+        if cache is not None and not caches:
+            caches.append(cache_bytes(cache))
+
+    handles = [module.register_forward_hook(count) for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    handles.append(model.register_forward_pre_hook(pinned_bytes, with_kwargs=True))
     try:
-        decode(model, inputs, max_new_tokens=3, compile_step=False)
+        run(LONG, compile_step=False)
     finally:
         for handle in handles:
             handle.remove()
     tensors = {p.data_ptr(): p for m, n in calls.items() if n > 1 for p in m.parameters(recurse=False)}
-    return sum(p.numel() * p.element_size() for p in tensors.values())
+    return StepBytes(sum(p.numel() * p.element_size() for p in tensors.values()), caches[0] if caches else 0)
 
 
-def cache_bytes(model: PreTrainedModel, inputs: zoo.Inputs, batch: int) -> int:
-    """Bytes of keys and values in the pinned cache of a 192-token decode (cross-attention included)."""
-    encoder_length = None
-    if model.config.is_encoder_decoder:
-        with torch.no_grad():
-            encoder_length = int(model.get_encoder()(**inputs)[0].shape[1])
-    cache = cachelife.prepare_static_cache(
-        model, batch_size=batch, max_cache_len=LONG + 1, encoder_length=encoder_length
-    )
+def cache_bytes(cache: object) -> int:
+    """Bytes of the keys and values pinned in `cache`, a cache cachelife manages."""
     state = cachelife.lifecycle(cache)
     pinned = [layer.buffers for layer in state.layers if layer.is_pinned]
-    state.release()
     return sum((math.prod(b.key_shape) + math.prod(b.value_shape)) * b.dtype.itemsize for b in pinned)
 
 
@@ -165,18 +177,20 @@ def floors(groups: dict[str, Any], weight_bytes: int, kv_bytes: int, bandwidth: 
 
 def measure(args: argparse.Namespace, device: torch.device, batch: int) -> dict[str, Any]:
     torch._dynamo.reset()
-    built = for_decode(args.model, device=device, dtype=getattr(torch, args.dtype))
-    model = built.model
+    built = build(args.model, False, device, getattr(torch, args.dtype))
+    model = cachelife.enable(built.model)
     inputs = built.inputs(batch, LENGTH, 1)
-    cachelife.enable(model)
-    weight_bytes = step_weight_bytes(model, inputs)
-    kv_bytes = cache_bytes(model, inputs, batch)
 
-    def run(tokens: int) -> torch.Tensor:
-        return decode(model, inputs, max_new_tokens=tokens, steps_per_call=1)
+    def run(tokens: int, *, compile_step: bool = True) -> torch.Tensor:
+        out = cachelife.generate(
+            model, fallback=False, steps_per_call=1, compile_step=compile_step, **inputs,
+            **settings_for(args.model, 0, tokens),
+        )  # fmt: skip
+        return as_tokens(out)
 
+    needed = step_bytes(model, run)
     first_call_s, _ = timed(device, lambda: run(LONG))
-    run(SHORT)  # CUDA graphs: the 64-token cache is another shape, recorded here and not in the profile
+    run(SHORT)  # the 64-token call's buffers are another shape: compiled and captured here, not in the profile
     wall_ms = marginal_wall_ms(device, run)
     groups = per_step_groups(profiled_events(device, run, SHORT), profiled_events(device, run, LONG))
     kernel_ms = sum(group["ms_per_step"] for group in groups.values())
@@ -189,38 +203,33 @@ def measure(args: argparse.Namespace, device: torch.device, batch: int) -> dict[
         "kernels_per_step": round(sum(group["kernels_per_step"] for group in groups.values()), 2),
         "wall_over_total": round(wall_ms / kernel_ms, 3) if kernel_ms > 0 else None,
         "groups": groups,
-        "bandwidth_floor": floors(groups, weight_bytes, kv_bytes, args.bandwidth) if device.type == "cuda" else None,
-        "weight_bytes_per_step": weight_bytes,
-        "kv_cache_bytes": kv_bytes,
+        "bandwidth_floor": floors(groups, needed.weights, needed.cache, args.bandwidth)
+        if device.type == "cuda"
+        else None,
+        "weight_bytes_per_step": needed.weights,
+        "kv_cache_bytes": needed.cache,
     }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="t5-small")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="device memory bandwidth, bytes per second")
-    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     device = pick_device(args.device)
     if device.type != "cuda":
         print("note: no CUDA device; grouping CPU operators by self time (GPU kernel grouping needs CUDA)", flush=True)
-    record: dict[str, Any] = {
-        **header("profile-step", device),
-        "settings": {
-            "model": args.model, "dtype": args.dtype, "input_length": LENGTH, "new_tokens": [SHORT, LONG],
-            "steps_per_call": 1, "bandwidth_bytes_per_s": args.bandwidth,
-        },
-        "results": [],
+    settings = {
+        "model": args.model, "loop": "cachelife.generate", "generation_config": "the model's own",
+        "dtype": args.dtype, "input_length": LENGTH, "new_tokens": [SHORT, LONG], "steps_per_call": 1,
+        "bandwidth_bytes_per_s": args.bandwidth,
     }  # fmt: skip
-    out = results_path(args.out, "profile-step", device)
+    results = results_file(args.out, "profile-step", device, "profile-step", {"settings": settings, "results": []})
     for batch in (int(value) for value in args.batch_sizes.split(",")):
-        record["results"].append(measure(args, device, batch))
-        out.write_text(json.dumps(record, indent=1) + "\n")
-        print(json.dumps(record["results"][-1]), flush=True)
-    print(f"wrote {out}")
+        results.add(measure(args, device, batch))
+    results.finish()
     return 0
 
 

@@ -1,8 +1,17 @@
-"""Where a benchmark writes its JSON, and the environment every results file starts with."""
+"""The harness every bench script shares: its command line's common flags, where it writes its JSON, and the
+environment every results file starts with.
+
+A script's main() is `parser = bench_parser(__doc__)`, its own flags, `results = results_file(...)` before it
+measures (the header's date, commit and dirty flag are those of the start), then `results.add(...)` or
+`results.put(...)`, which rewrite the file after each measurement (a run cut by a time limit keeps what it
+measured), and `results.finish()`, which says where it wrote.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +20,7 @@ from typing import Any
 
 import torch
 import transformers
+from attrs import frozen
 
 import cachelife
 
@@ -59,3 +69,49 @@ def results_path(out: str, stem: str, device: torch.device) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     return folder / f"{stem}-{device.type}-{day}-tf{transformers.__version__}.json"
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A bench script's parser: its module docstring as the help text (layout kept), and the --device and
+    --out flags every script takes."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda where available)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="folder the JSON results file is written to")
+    return parser
+
+
+@frozen
+class ResultsFile:
+    """A results file being filled: the header is taken once, when the benchmark starts (its date is the
+    start's), and the whole record is rewritten after each measurement."""
+
+    path: Path
+    record: dict[str, Any]
+
+    def save(self) -> Path:
+        self.path.write_text(json.dumps(self.record, indent=1) + "\n")
+        return self.path
+
+    def add(self, item: object, key: str = "results", *, show: bool = True) -> None:
+        """Append `item` to the record's list `key` and rewrite the file; with `show`, print the item as one JSON
+        line, the run's progress in its log."""
+        self.record[key].append(item)
+        self.save()
+        if show:
+            print(json.dumps(item), flush=True)
+
+    def put(self, key: str, value: object) -> None:
+        """Set the record's `key` to `value` and rewrite the file."""
+        self.record[key] = value
+        self.save()
+
+    def finish(self) -> Path:
+        """Write the record a last time and say where."""
+        self.save()
+        print(f"wrote {self.path}", flush=True)
+        return self.path
+
+
+def results_file(out: str, stem: str, device: torch.device, benchmark: str, body: dict[str, Any]) -> ResultsFile:
+    """`results_path(out, stem, device)` with `header(benchmark, device)` followed by `body`, not written yet."""
+    return ResultsFile(results_path(out, stem, device), {**header(benchmark, device), **body})

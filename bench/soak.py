@@ -10,9 +10,7 @@ at the end, the pool's hits and misses, CUDA-graph skips and re-records, and sec
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -21,7 +19,7 @@ from typing import Any
 import torch
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.results_file import bench_parser, results_file
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
@@ -96,24 +94,22 @@ def soak(model_name: str, device: torch.device, calls: int, compile_forward: boo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="t5")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--compile", action="store_true", help="compile model.forward (CUDA graphs on a GPU)")
-    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     device = pick_device(args.device)
-    record = {**header("soak", device), "result": soak(args.model, device, args.calls, args.compile, args.new_tokens)}
-    path = results_path(args.out, "soak-compiled" if args.compile else "soak", device)
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    result = record["result"]
+    results = results_file(args.out, "soak-compiled" if args.compile else "soak", device, "soak", {})
+    result = soak(args.model, device, args.calls, args.compile, args.new_tokens)
     print(
         f"{args.calls} calls: tokens equal eager {result['tokens_equal_eager']}, RSS growth after warm-up "
         f"{result['rss_growth_after_warmup_bytes'] / 2**20:.1f} MiB, pool {result['pool']}, "
-        f"re-records {result['rerecords_after_warmup']}; wrote {path}"
+        f"re-records {result['rerecords_after_warmup']}"
     )
+    results.put("result", result)
+    results.finish()
     return 0 if result["tokens_equal_eager"] else 1
 
 

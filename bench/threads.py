@@ -11,8 +11,6 @@ GPU); one warm-up call per shape compiles and captures before anything is timed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +19,7 @@ from typing import Any
 import torch
 
 import cachelife
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.results_file import bench_parser, results_file
 from bench.timing import synchronize
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
@@ -65,20 +63,18 @@ def run(model_name: str, device: torch.device, calls: int, thread_counts: list[i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda where available)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--model", default="llama", choices=zoo.MODEL_NAMES)
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--threads", default="1,2,4", help="thread counts, the first the reference")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     device = pick_device(args.device)
     counts = [int(count) for count in args.threads.split(",")]
-    result = {**header("threads", device), **run(args.model, device, args.calls, counts, args.new_tokens)}
-    path = results_path(args.out, f"threads-{args.model}", device)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    results = results_file(args.out, f"threads-{args.model}", device, "threads", {})
+    result = run(args.model, device, args.calls, counts, args.new_tokens)
+    results.record.update(result)
+    results.finish()
     return 0 if all(row["equal"] for row in result["rows"]) else 1
 
 

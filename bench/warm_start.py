@@ -1,12 +1,13 @@
 """Warm starts: the first call of a fresh process with a cold, a shared and a carried compile cache.
 
     python -m bench.warm_start [--device cuda|cpu] [--models t5-small]
-                               [--paths generate,decode,cachelife-generate]
+                               [--paths generate,cachelife-generate]
                                [--dtype float32] [--new-tokens 32]
 
-For each model and path (`generate`: an enabled model with a compiled forward, `mode="reduce-overhead"` on a
-GPU; `decode`: `cachelife.decode`, 1 step per call; `cachelife-generate`: `cachelife.generate` with the
-model's own generation config, 1 step per call), three fresh processes, one after another:
+For each model (with its own generation config; Whisper: language "en", task "transcribe", as
+bench/generate.py) and path (`generate`: `model.generate` on an enabled model with a compiled forward,
+`mode="reduce-overhead"` on a GPU; `cachelife-generate`: `cachelife.generate(model, fallback=False, ...)`, 1
+step per call), every call decoding exactly `--new-tokens` tokens, three fresh processes, one after another:
 - `empty_dir`: an empty TORCHINDUCTOR_CACHE_DIR (the first deployment); after warm-up it saves
   `cachelife.save_compile_artifacts`;
 - `shared_dir`: a second process on the same directory (a restart on the same machine);
@@ -36,16 +37,15 @@ from transformers import PreTrainedModel
 
 import cachelife
 from bench.child import run_child
-from bench.generate import as_tokens
-from bench.models import for_decode
-from bench.results_file import DEFAULT_OUT, header, results_path
+from bench.generate import as_tokens, build, settings_for
+from bench.results_file import bench_parser, results_file
 from bench.timing import timed
-from cachelife.generation.decode import decode
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
 BATCH, LENGTH = 4, 48
 ROLES = ("empty_dir", "shared_dir", "loaded_artifacts")
+Settings = dict[str, Any]  # generate's keyword arguments for one call: new tokens, Whisper's language and task
 
 
 def child(args: argparse.Namespace) -> None:
@@ -56,11 +56,10 @@ def child(args: argparse.Namespace) -> None:
         cachelife.load_compile_artifacts(args.artifacts)
         load_s = time.perf_counter() - started
     device = pick_device(args.device)
-    built = for_decode(args.model, device=device, dtype=getattr(torch, args.dtype))
-    model = built.model
+    built = build(args.model, False, device, getattr(torch, args.dtype))
+    model = cachelife.enable(built.model)
     inputs = built.inputs(BATCH, LENGTH, 1)
-    cachelife.enable(model)
-    call = PATHS[args.path](model, inputs, args.new_tokens)
+    call = PATHS[args.path](model, inputs, settings_for(args.model, 0, args.new_tokens))
     first_s, tokens = timed(device, call)
     second_s, _ = timed(device, call)
     saved: dict[str, Any] | None = None
@@ -79,28 +78,22 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def _generate_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
-    """`generate` with a compiled forward (CUDA graphs on a GPU) on an enabled model."""
+def _generate_call(model: PreTrainedModel, inputs: zoo.Inputs, settings: Settings) -> Callable[[], torch.Tensor]:
+    """`model.generate` with a compiled forward (CUDA graphs on a GPU) on an enabled model."""
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     cachelife.compile_forward(model, mode=mode, fullgraph=True)
-    settings = {"do_sample": False, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
-    return lambda: zoo.generate_tokens(model, inputs, cache_implementation="static", **settings)
+    return lambda: zoo.generate_tokens(model, inputs, do_sample=False, cache_implementation="static", **settings)
 
 
-def _decode_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
-    """`cachelife.decode`, one compiled step per call."""
-    return lambda: decode(model, inputs, max_new_tokens=new_tokens)
-
-
-def _cachelife_generate_call(model: PreTrainedModel, inputs: zoo.Inputs, new_tokens: int) -> Callable[[], torch.Tensor]:
+def _cachelife_generate_call(
+    model: PreTrainedModel, inputs: zoo.Inputs, settings: Settings
+) -> Callable[[], torch.Tensor]:
     """`cachelife.generate` with the model's generation config, one compiled step per call."""
-    settings: dict[str, Any] = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     return lambda: as_tokens(cachelife.generate(model, fallback=False, **inputs, **settings))
 
 
-PATHS: dict[str, Callable[[PreTrainedModel, zoo.Inputs, int], Callable[[], torch.Tensor]]] = {
+PATHS: dict[str, Callable[[PreTrainedModel, zoo.Inputs, Settings], Callable[[], torch.Tensor]]] = {
     "generate": _generate_call,
-    "decode": _decode_call,
     "cachelife-generate": _cachelife_generate_call,
 }
 
@@ -133,13 +126,11 @@ def measure(args: argparse.Namespace, model: str, path: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
+    parser = bench_parser(__doc__)
     parser.add_argument("--models", default="t5-small")
     parser.add_argument("--paths", default="generate", help=f"any of {', '.join(PATHS)}, comma-separated")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--child", choices=ROLES, help=argparse.SUPPRESS)
     parser.add_argument("--artifacts", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -148,19 +139,19 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
+    unknown = [path for path in args.paths.split(",") if path not in PATHS]
+    if unknown:
+        parser.error(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
     device = pick_device(args.device)
-    record: dict[str, Any] = {
-        **header("warm-start", device),
-        "settings": {"batch_size": BATCH, "input_length": LENGTH, "new_tokens": args.new_tokens, "dtype": args.dtype},
-        "results": [],
-    }
-    out = results_path(args.out, "warm-start", device)
+    settings = {
+        "batch_size": BATCH, "input_length": LENGTH, "new_tokens": args.new_tokens, "dtype": args.dtype,
+        "generation_config": "the model's own",
+    }  # fmt: skip
+    results = results_file(args.out, "warm-start", device, "warm-start", {"settings": settings, "results": []})
     for model in args.models.split(","):
         for path in args.paths.split(","):
-            record["results"].append(measure(args, model, path))
-            out.write_text(json.dumps(record, indent=1) + "\n")
-            print(json.dumps(record["results"][-1]), flush=True)
-    print(f"wrote {out}")
+            results.add(measure(args, model, path))
+    results.finish()
     return 0
 
 

@@ -1,0 +1,234 @@
+"""Every benchmark the project runs, in one table: the GPU suite's stages and the CPU runs behind bench/results.
+
+`python -m bench list` prints it, `python -m bench run NAME [extra arguments]` runs one entry
+(`python -m MODULE ARGUMENTS... [extra arguments]`; argparse keeps the last value of an option given twice, so
+extra arguments override the entry's), `python3 bench/gpu_suite.py --stages NAME,...` runs the CUDA entries as
+stages, and `python -m bench readme` names the entry behind each results file. The docs build imports
+`BENCHMARKS` too, which is why this module imports nothing but attrs.
+
+An entry's `results` glob matches the names of the JSON files its runs left in bench/results (or
+bench/results/gpu), as they were committed: a benchmark writes `<stem>-<device>-<date>-tf<version>.json` and
+runs that share a script were renamed by hand when committed (a model, a tag, the GPU-suite run) so that they
+keep apart.
+"""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+from attrs.validators import in_
+
+
+@frozen
+class Benchmark:
+    """One benchmark command: `python -m <module> <arguments...>` on `device` ("cpu" or "cuda")."""
+
+    name: str
+    module: str
+    arguments: tuple[str, ...]
+    description: str
+    device: str = field(validator=in_(("cpu", "cuda")))
+    results: str
+
+    @property
+    def command(self) -> tuple[str, ...]:
+        """The arguments after `python`."""
+        return ("-m", self.module, *self.arguments)
+
+
+def _levers(presets: str, *overrides: str) -> tuple[str, ...]:
+    """`bench.levers` arguments: the whisper-large-v3 shape in bf16 at batch 1 unless `overrides` say otherwise
+    (argparse keeps the last value of an option given twice)."""
+    return ("--device", "cuda", "--model", "whisper-large-v3", "--dtypes", "bfloat16", "--presets", presets,
+            *overrides)  # fmt: skip
+
+
+_ENTRIES = (
+    # -- CUDA: the GPU suite's benchmark stages (bench/gpu_suite.py), each writing to --out/<name> ---------------
+    Benchmark(
+        "decode-loop", "bench.decode_loop", ("--device", "cuda"),
+        "cachelife.generate's decoding loop (steps_per_call 1 and 4) against model.generate with a compiled "
+        "forward and against the step's GPU kernel time, t5-small shape, fp32 and bf16",
+        "cuda", "decode-loop-cuda-*.json",
+    ),
+    Benchmark(
+        "soak", "bench.soak", ("--device", "cuda", "--compile", "--calls", "100"),
+        "100 generate calls, tiny T5, compiled forward with CUDA graphs: memory flat, tokens equal eager",
+        "cuda", "soak-compiled-cuda-*.json",
+    ),
+    Benchmark(
+        "decode", "bench.decode", ("--device", "cuda"),
+        "transformers' decoding paths and cachelife's side by side (eager, auto-compile, compiled forward, "
+        "transformers as released), t5, bart, whisper and llama small shapes",
+        "cuda", "decode-cuda-*.json",
+    ),
+    Benchmark(
+        "threads", "bench.threads",
+        ("--device", "cuda", "--model", "llama-small", "--calls", "16", "--threads", "1,2,4"),
+        "what a second thread costs: the same cachelife.generate calls on one model from 1, 2 and 4 threads "
+        "(calls on one model wait for each other), cachelife's graphs, fp32",
+        "cuda", "threads-llama-small-cuda-*.json",
+    ),
+    Benchmark(
+        "buckets", "bench.buckets", ("--device", "cuda"),
+        "encoder-length buckets: 20 compiled-forward generate calls over encoder lengths 33..64, with and "
+        "without buckets, and the padding cost",
+        "cuda", "buckets-cuda-*.json",
+    ),
+    Benchmark(
+        "beams", "bench.beams", ("--device", "cuda", "--models", "t5-small,whisper-small,llama-small"),
+        "beam search: eager, auto-compile and cachelife with a compiled forward (in-place reorders, "
+        "cross-attention reordered), each path in a fresh compile-cache directory",
+        "cuda", "beams-cuda-*.json",
+    ),
+    # Whisper's decoder prompt is 4 tokens, so 16 and 56 new tokens share cachelife's 64-column buffers.
+    Benchmark(
+        "generate-whisper", "bench.generate",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
+         "16,56", "--steps-per-call", "1,4,8", "--paths", "auto,forward,cachelife", "--repeats", "3"),
+        "cachelife.generate on the whisper-large-v3 shape with its generation config, greedy, bf16, batch 1: "
+        "auto-compile, compiled forward, cachelife's graphs at 1, 4 and 8 steps per call and torch's trees at 1",
+        "cuda", "generate-whisper-large-v3-*cuda*.json",
+    ),
+    Benchmark(
+        "generate-whisper-b8", "bench.generate",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "8", "--dtype", "bfloat16", "--tokens",
+         "16,56", "--steps-per-call", "1,4", "--paths", "auto,forward,cachelife", "--repeats", "2", "--tag", "b8"),
+        "the generate-whisper comparison at batch 8, 1 and 4 steps per call",
+        "cuda", "generate-whisper-large-v3-b8-*cuda*.json",
+    ),
+    Benchmark(
+        "generate-whisper-beams", "bench.generate",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
+         "16,48", "--beams", "5", "--steps-per-call", "1,4", "--paths", "forward,cachelife", "--repeats", "2",
+         "--tag", "beams5"),
+        "cachelife.generate on the whisper-large-v3 shape with 5 beams against the compiled forward, bf16, batch 1",
+        "cuda", "generate-whisper-large-v3-beams5-*cuda*.json",
+    ),
+    Benchmark(
+        "generate-bart", "bench.generate",
+        ("--device", "cuda", "--models", "bart-large-cnn", "--batches", "1,8", "--dtype", "bfloat16", "--tokens",
+         "16,48", "--steps-per-call", "1,4", "--repeats", "2", "--tag", "bart"),
+        "cachelife.generate against transformers' paths on the bart-large-cnn shape with its generation config "
+        "(4 beams, no-repeat 3, forced BOS/EOS), bf16, batches 1 and 8",
+        "cuda", "generate-bart-large-cnn-*cuda*.json",
+    ),
+    Benchmark(
+        "generate-t5", "bench.generate",
+        ("--device", "cuda", "--models", "t5-base", "--batches", "1,8", "--dtype", "bfloat16", "--tokens", "16,48",
+         "--steps-per-call", "1,4", "--repeats", "2", "--tag", "t5"),
+        "cachelife.generate against transformers' paths on the t5-base shape, bf16, batches 1 and 8",
+        "cuda", "generate-t5-base-*cuda*.json",
+    ),
+    Benchmark(
+        "profile", "bench.profile_step",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "1,8"),
+        "where one decoding step of cachelife.generate goes on the whisper-large-v3 shape (its generation "
+        "config, bf16, batches 1 and 8): kernels grouped by kind against the bandwidth floor",
+        "cuda", "profile-step-whisper-large-v3-cuda-*.json",
+    ),
+    # Each preset list runs its own baseline: correctness is judged against the baseline of the same run.
+    Benchmark(
+        "levers-a", "bench.levers", _levers("baseline,attention_math,attention_flash,freezing"),
+        "inductor options and attention kernels on cachelife.generate's step, whisper-large-v3 shape, bf16, "
+        "batch 1: attention_math, attention_flash and freezing against the baseline",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-attention_math-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-b", "bench.levers", _levers("baseline,coordinate_descent,combo_kernels,max_autotune_gemm"),
+        "the levers comparison with coordinate_descent, combo_kernels and max_autotune_gemm",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-coordinate_descent-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-c", "bench.levers", _levers("baseline,together,attention_flex", "--logits"),
+        "the levers comparison of what helped together (cachelife.FAST_KERNELS) and flex attention, with "
+        "teacher-forced logit differences against the baseline",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-together-attention_flex-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-t5-small", "bench.levers",
+        _levers("baseline,combo_kernels,coordinate_descent,max_autotune_gemm,attention_flash,attention_flex,together",
+                "--model", "t5-small"),
+        "the levers comparison on the t5-small shape, bf16, batch 1, every preset but freezing and attention_math",
+        "cuda", "levers-t5-small-b1-bfloat16-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-fp32", "bench.levers", _levers("baseline,together", "--dtypes", "float32"),
+        "the baseline against cachelife.FAST_KERNELS on the whisper-large-v3 shape in float32, batch 1",
+        "cuda", "levers-whisper-large-v3-b1-float32-together-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-b8", "bench.levers", _levers("baseline,together", "--batch-size", "8"),
+        "the baseline against cachelife.FAST_KERNELS on the whisper-large-v3 shape in bf16 at batch 8",
+        "cuda", "levers-whisper-large-v3-b8-bfloat16-together-*cuda*.json",
+    ),
+    Benchmark(
+        "generate-t5-small", "bench.generate",
+        ("--device", "cuda", "--models", "t5-small", "--batches", "1", "--dtype", "bfloat16", "--tokens", "16,48",
+         "--steps-per-call", "1,4,8", "--paths", "forward,cachelife", "--cuda-graphs", "cachelife", "--repeats", "3",
+         "--tag", "t5-small"),
+        "cachelife.generate on the t5-small shape at 1, 4 and 8 steps per graph against the compiled forward, "
+        "bf16, batch 1",
+        "cuda", "generate-t5-small-*cuda*.json",
+    ),
+    Benchmark(
+        "profile-b8", "bench.profile_step",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--batch-sizes", "8"),
+        "the whisper-large-v3 step profile at batch 8 only",
+        "cuda", "profile-step-whisper-large-v3-b8-*cuda*.json",
+    ),
+    Benchmark(
+        "warm-start", "bench.warm_start",
+        ("--device", "cuda", "--models", "t5-small", "--paths", "cachelife-generate", "--dtype", "bfloat16"),
+        "warm starts of cachelife.generate on the t5-small shape (bf16, batch 4): the first call of a fresh "
+        "process with an empty compile-cache directory, a shared one, and loaded artifacts",
+        "cuda", "warm-start-t5-small-*cuda*.json",
+    ),
+    Benchmark(
+        "warm-start-whisper", "bench.warm_start",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--paths", "cachelife-generate", "--dtype", "bfloat16"),
+        "warm starts of cachelife.generate on the whisper-large-v3 shape (bf16, batch 4)",
+        "cuda", "warm-start-whisper-large-v3-*cuda*.json",
+    ),
+    # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
+    Benchmark(
+        "decode-cpu", "bench.decode", ("--device", "cpu", "--models", "t5-small,llama-small"),
+        "the decode harness on the CPU, t5-small and llama-small shapes",
+        "cpu", "decode-cpu-*.json",
+    ),
+    Benchmark(
+        "decode-loop-cpu", "bench.decode_loop",
+        ("--device", "cpu", "--model", "t5-small", "--dtypes", "float32", "--steps-per-call", "1,4"),
+        "the decode-loop benchmark on the CPU, t5-small shape, fp32, steps_per_call 1 and 4",
+        "cpu", "decode-loop-cpu-*.json",
+    ),
+    Benchmark(
+        "soak-cpu", "bench.soak", ("--device", "cpu", "--calls", "200"),
+        "200 generate calls, tiny T5, eager forward, on the CPU (what `nox -s soak` runs)",
+        "cpu", "soak-cpu-*.json",
+    ),
+    Benchmark(
+        "soak-compiled-cpu", "bench.soak", ("--device", "cpu", "--calls", "200", "--compile"),
+        "200 generate calls, tiny T5, compiled forward, on the CPU",
+        "cpu", "soak-compiled-cpu-*.json",
+    ),
+    Benchmark(
+        "buckets-cpu", "bench.buckets", ("--device", "cpu", "--calls", "6", "--new-tokens", "24"),
+        "encoder-length buckets on the CPU, t5-small shape, 6 calls of 24 new tokens",
+        "cpu", "buckets-cpu-*.json",
+    ),
+    Benchmark(
+        "warm-start-cpu", "bench.warm_start",
+        ("--device", "cpu", "--models", "t5", "--paths", "generate,cachelife-generate", "--new-tokens", "8"),
+        "warm starts on the CPU, tiny T5 with its generation config: model.generate with a compiled forward "
+        "and cachelife.generate (the committed file's second path was cachelife.decode, since retired here)",
+        "cpu", "warm-start-cpu-*.json",
+    ),
+    Benchmark(
+        "warm-start-cachelife-generate-cpu", "bench.warm_start",
+        ("--device", "cpu", "--models", "t5", "--paths", "cachelife-generate", "--new-tokens", "8"),
+        "warm starts of cachelife.generate alone on the CPU, tiny T5 with its generation config",
+        "cpu", "warm-start-cachelife-generate-cpu-*.json",
+    ),
+)  # fmt: skip
+
+BENCHMARKS: dict[str, Benchmark] = {entry.name: entry for entry in _ENTRIES}
