@@ -265,7 +265,11 @@ class _Never(StoppingCriteria):
 def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
     return [
         ("t5", {"logits_processor": LogitsProcessorList([_Custom()])}, "logits_processor"),
-        ("t5", {"stopping_criteria": StoppingCriteriaList([_Never()])}, "stopping_criteria"),
+        (
+            "t5",
+            {"stopping_criteria": StoppingCriteriaList([_Never()]), "num_beams": 2},
+            "stopping_criteria (a _Never) with beam search",
+        ),
         ("t5", {"prefix_allowed_tokens_fn": lambda batch, ids: [3, 4]}, "prefix_allowed_tokens_fn"),
         ("t5", {"return_dict_in_generate": True}, "return_dict_in_generate"),
         ("t5", {"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate"),
@@ -322,13 +326,11 @@ def test_a_fallback_warns_once_per_model_and_feature_naming_the_way_out(caplog: 
     assert "num_beams > 1 with do_sample=True (beam sampling)" in messages[2]
 
 
-def test_whisper_long_form_and_streamers_fall_back() -> None:
+def test_whisper_long_form_and_assistants_fall_back() -> None:
     built = build("whisper")
     long = torch.randn(1, 16, 200, generator=torch.Generator().manual_seed(0))
     with pytest.raises(UnsupportedGenerationError, match="Whisper long-form"):
         cachelife.generate(built.model, fallback=False, input_features=long, max_new_tokens=4)
-    with pytest.raises(UnsupportedGenerationError, match="streamer"):
-        cachelife.generate(built.model, fallback=False, streamer=object(), **inputs_of(built), max_new_tokens=4)
     with pytest.raises(UnsupportedGenerationError, match="assistant_model"):
         cachelife.generate(
             built.model, fallback=False, assistant_model=built.model, **inputs_of(built), max_new_tokens=4

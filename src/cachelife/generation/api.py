@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError
@@ -73,18 +74,35 @@ def generate(
         raise InvalidArgumentError(msg)
     runtime = runtime_of(model)
     with runtime.lock, collecting_after_compilation():
-        feature = unsupported_argument(model, kwargs) or unsupported_config(merged_config(model, kwargs))
+        config = merged_config(model, kwargs)
+        feature = unsupported_argument(model, kwargs) or unsupported_config(config)
         if feature is not None:
             fall_back(feature, fallback, model)
             return model.generate(**kwargs)
+        kwargs = with_stop_string_criteria(kwargs, config)
         settings = LoopSettings(
             steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options, buckets
         )
         called: list[bool] = []
-        output = model.generate(**kwargs, custom_generate=decoding_method(settings, lambda: called.append(True)))
+        # A callable custom_generate does not get `generate`'s streamer: the decoding method is handed it here.
+        method = decoding_method(settings, lambda: called.append(True), kwargs.get("streamer"))
+        output = model.generate(**kwargs, custom_generate=method)
         if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
             fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback, model)
         return _tokens(output)
+
+
+def with_stop_string_criteria(kwargs: dict[str, Any], config: GenerationConfig) -> dict[str, Any]:
+    """`stop_strings` as a stopping criterion of the call: `generate` does not hand a callable custom_generate
+    the tokenizer that it builds their criterion from (it pops it before it reads the method's own
+    parameters), so the criterion is built here, as `generate` builds it, and evaluated at the host checks."""
+    stop_strings, tokenizer = getattr(config, "stop_strings", None), kwargs.get("tokenizer")
+    if stop_strings is None or tokenizer is None:
+        return kwargs  # without a tokenizer, generate raises its own error
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
+    rest = {name: value for name, value in kwargs.items() if name != "tokenizer"}
+    return {**rest, "stop_strings": None, "stopping_criteria": criteria}
 
 
 def check_model(model: object) -> None:

@@ -18,10 +18,12 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.arguments import int_field
+from cachelife.generation.host import host_criteria
 from cachelife.generation.processors import unsupported_processor
 from cachelife.generation.searches import beam_search, greedy_search
 from cachelife.generation.states import StateLeases
@@ -52,10 +54,18 @@ def fall_back(feature: str, fallback: bool, model: PreTrainedModel) -> None:
     )
 
 
-def unsupported_criterion(criteria: StoppingCriteriaList) -> str | None:
-    for criterion in criteria:
-        if type(criterion) not in (MaxLengthCriteria, EosTokenCriteria):
-            return type(criterion).__name__
+# The argument behind each stopping criterion transformers builds from the generation config.
+_CRITERION_ARGUMENT = {"StopStringCriteria": "stop_strings", "MaxTimeCriteria": "max_time"}
+
+
+def unsupported_criterion(criteria: StoppingCriteriaList, config: GenerationConfig) -> str | None:
+    """Host-side stopping criteria are evaluated at host checks in greedy search and sampling
+    (`cachelife.generation.host`); beam search leaves them to transformers."""
+    if int_field(config, "num_beams") == 1:
+        return None
+    for criterion in host_criteria(criteria):
+        name = type(criterion).__name__
+        return f"{_CRITERION_ARGUMENT.get(name, f'stopping_criteria (a {name})')} with beam search"
     return None
 
 
@@ -68,7 +78,9 @@ def unsupported_prompt(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> 
     return None
 
 
-def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Callable[..., torch.Tensor]:
+def decoding_method(
+    settings: LoopSettings, on_call: Callable[[], None], streamer: BaseStreamer | None = None
+) -> Callable[..., torch.Tensor]:
     """A decoding method for `generate(custom_generate=...)`: the compiled loop, or transformers' own
     (after the fallback warning) for processors or stopping criteria it cannot run. `on_call` runs first, so
     that the caller can tell whether `generate` called it at all."""
@@ -86,7 +98,7 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
         on_call()
         feature = (
             unsupported_processor(logits_processor)
-            or unsupported_criterion(stopping_criteria)
+            or unsupported_criterion(stopping_criteria, generation_config)
             or unsupported_prompt(model, model_kwargs)
         )
         if feature is not None:
@@ -95,7 +107,7 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
             method = model._beam_search if mode == GenerationMode.BEAM_SEARCH else model._sample
             result = method(
                 input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                generation_config=generation_config, synced_gpus=synced_gpus, **model_kwargs,
+                generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
             )  # fmt: skip
             if not isinstance(result, torch.Tensor):
                 msg = f"transformers' decoding method returned a {type(result).__name__}, expected tokens"
@@ -107,10 +119,15 @@ def decoding_method(settings: LoopSettings, on_call: Callable[[], None]) -> Call
         # A decoding method that compiled collects its traces' cycles before the next one runs (Whisper's
         # generate calls it once per segment and per fallback), so that the next cache gets this one's buffers.
         with runtime.lock, collecting_after_compilation(), StateLeases(runtime) as leases, pinned_compile_cache():
-            search = beam_search if int_field(generation_config, "num_beams") > 1 else greedy_search
-            return search(
+            if int_field(generation_config, "num_beams") > 1:
+                return beam_search(
+                    model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
+                    model_kwargs=model_kwargs, leases=leases,
+                )  # fmt: skip
+            return greedy_search(
                 model, input_ids, processors=logits_processor, config=generation_config, settings=settings,
-                model_kwargs=model_kwargs, leases=leases,
+                model_kwargs=model_kwargs, leases=leases, criteria=host_criteria(stopping_criteria),
+                streamer=streamer,
             )  # fmt: skip
 
     return decode

@@ -14,10 +14,13 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
 
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
+from cachelife.generation.host import HostChecks
 from cachelife.generation.processors import tensor_processors
 from cachelife.generation.states import StateLeases
 from cachelife.generation.steps import LoopSettings, input_name, prefill, run_steps, stepper
@@ -67,6 +70,8 @@ def greedy_search(
     settings: LoopSettings,
     model_kwargs: dict[str, Any],
     leases: StateLeases,
+    criteria: Sequence[StoppingCriteria] = (),
+    streamer: BaseStreamer | None = None,
 ) -> torch.Tensor:
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int_field(config, "max_length")
@@ -111,7 +116,9 @@ def greedy_search(
         noise.refresh()
         return steps()
 
-    run_steps(advance, lambda: state.running(choice), max_length - prompt_length - 1, settings)
+    host = HostChecks(state, choice, criteria, streamer, prompt_length)
+    run_steps(advance, host.check, max_length - prompt_length - 1, settings)
+    host.finish()
     tokens: torch.Tensor = state.tokens[:, : int(state.length)].clone()
     return tokens
 

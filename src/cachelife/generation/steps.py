@@ -155,9 +155,10 @@ def stepper(
 
 
 def run_steps(
-    advance: Callable[[], int], is_running: Callable[[], torch.Tensor], steps: int, settings: LoopSettings
+    advance: Callable[[], int], is_running: Callable[[], torch.Tensor | bool], steps: int, settings: LoopSettings
 ) -> None:
-    """Run steps (`advance` says how many it ran) until `steps` steps ran or decoding ended."""
+    """Run steps (`advance` says how many it ran) until `steps` steps ran or decoding ended (`is_running`, read
+    every `stop_check_every` steps)."""
     produced, checked_at = 0, 0
     while produced < steps:
         if produced - checked_at >= settings.stop_check_every:
