@@ -2,13 +2,15 @@
 
 - `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers,
   and on the newest the slow tests too (compiled models, long loops), in the same run and environment;
-- `typecheck` and `lint`.
+- `typecheck` and `lint`;
+- `docs`: the documentation site, built with warnings as errors.
 
 `nox -s slow` runs the slow tests alone; `nox -s full` runs the whole CPU suite on both transformers
-releases. Every session runs on the Python that runs nox (3.11 to 3.13). The CPU build of torch is installed
-first, on its own, so that no later requirement lets pip pick a CUDA build (several GB) on a machine without
-a GPU. `gpu` runs on a GPU machine with the interpreter and packages already there, and skips (never passes)
-where CUDA is absent.
+releases. Every session runs on the Python that runs nox (3.11 to 3.13). torch is installed first, on its own,
+so that no later requirement lets pip pick another build; where pip's own configuration would hand out a
+CUDA build (several GB, PyPI on Linux) on a machine without a GPU, run
+`CACHELIFE_TORCH_INDEX=https://download.pytorch.org/whl/cpu nox`. `gpu` runs on a GPU machine with the
+interpreter and packages already there, and skips (never passes) where CUDA is absent.
 """
 
 from __future__ import annotations
@@ -18,26 +20,27 @@ import subprocess
 
 import nox
 
-nox.options.sessions = ["tests", "typecheck", "lint"]
+nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
 nox.options.default_venv_backend = "venv"
 # A second `nox` on the same checkout keeps each session's environment (pip only checks what is installed);
 # `nox --reuse-venv=no` starts afresh. A clean clone, as in CI, creates every environment once.
 nox.options.reuse_venv = "yes"
 
 TORCH = "torch==2.13.0"
-# PyTorch's index of CPU wheels: on Linux, PyPI's torch brings CUDA libraries (several GB). Set
-# CACHELIFE_TORCH_INDEX="" to let pip's own configuration choose (as .ci/run does: that machine's pip finds the
-# CPU build on its disk and has no route to PyTorch's index).
-TORCH_INDEX = os.environ.get("CACHELIFE_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+# Where torch comes from: by default ("") wherever pip's own configuration finds it, so that a machine without a
+# route to PyTorch's index does not wait on it. On Linux, PyPI's torch brings CUDA libraries (several GB):
+# CACHELIFE_TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index instead.
+TORCH_INDEX = os.environ.get("CACHELIFE_TORCH_INDEX", "")
 # The tested transformers range: the oldest supported release and the newest one.
 TRANSFORMERS = ["5.17.0", "5.24.0"]
 FAST = "not slow and not gpu"
 
 
-def install(session: nox.Session, transformers: str = TRANSFORMERS[-1]) -> None:
-    """torch first, the CPU build on its own, then cachelife with its dev tools and one transformers release."""
+def install(session: nox.Session, transformers: str = TRANSFORMERS[-1], extra: str = "dev") -> None:
+    """torch first, on its own, then cachelife with one of its extras (the dev tools unless told) and one
+    transformers release."""
     session.install(TORCH, *(["--index-url", TORCH_INDEX] if TORCH_INDEX else []))
-    session.install("-e", ".[dev]", f"transformers=={transformers}")
+    session.install("-e", f".[{extra}]", f"transformers=={transformers}")
 
 
 def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | None = None) -> None:
@@ -101,6 +104,13 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
     session.run("ruff", "check", "src", "tests", "bench", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "bench", "noxfile.py")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (Sphinx, from docs/), with warnings as errors, into docs/_build/html."""
+    install(session, extra="docs")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)

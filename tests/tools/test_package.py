@@ -57,7 +57,7 @@ def after_import() -> dict[str, object]:
 
 def test_readme_documents_the_public_api() -> None:
     names = documented_names()
-    for name in ("generate", "enable"):
+    for name in ("generate", "enable", "release"):
         assert name in names
 
 
