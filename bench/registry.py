@@ -207,6 +207,13 @@ _ENTRIES = (
         "cpu", "soak-cpu-*.json",
     ),
     Benchmark(
+        "threads-cpu", "bench.threads",
+        ("--device", "cpu", "--model", "llama-small", "--calls", "12", "--threads", "1,2,4"),
+        "what a second thread costs on the CPU: 12 cachelife.generate calls on one model (compiled step) from 1, 2 "
+        "and 4 threads, tokens checked equal to the same call alone",
+        "cpu", "threads-llama-small-cpu-*.json",
+    ),
+    Benchmark(
         "soak-compiled-cpu", "bench.soak", ("--device", "cpu", "--calls", "200", "--compile"),
         "200 generate calls, tiny T5, compiled forward, on the CPU",
         "cpu", "soak-compiled-cpu-*.json",
