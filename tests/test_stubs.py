@@ -231,7 +231,9 @@ ATTRIBUTES = [member for member in members() if isinstance(member.node, ast.AnnA
 
 def configs_take_any_keyword() -> None:
     for config_class in (transformers.PreTrainedConfig, transformers.T5Config, transformers.BartConfig,
-                         transformers.WhisperConfig, transformers.LlamaConfig):  # fmt: skip
+                         transformers.WhisperConfig, transformers.LlamaConfig, transformers.Qwen2Config,
+                         transformers.MistralConfig, transformers.Gemma2Config, transformers.GPT2Config,
+                         transformers.OPTConfig):  # fmt: skip
         assert config_class(cachelife_probe=3).cachelife_probe == 3, config_class
 
 
@@ -260,7 +262,7 @@ NOT_SIGNATURES: dict[str, tuple[str, Callable[[], None]]] = {
     "transformers.configuration_utils.PreTrainedConfig.__init__": (CONFIG_INIT, configs_take_any_keyword),
     **{
         f"transformers.models.{family}Config.__init__": (CONFIG_INIT, configs_take_any_keyword)
-        for family in ("T5", "Bart", "Whisper", "Llama", "Marian")
+        for family in ("T5", "Bart", "Whisper", "Llama", "Marian", "Qwen2", "Mistral", "Gemma2", "GPT2", "OPT")
     },
     "transformers.configuration_utils.PreTrainedConfig.__getattr__": (
         "configs answer any attribute through __getattribute__ and attribute_map; the stub says so with __getattr__",

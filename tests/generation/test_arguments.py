@@ -72,26 +72,30 @@ def test_prepare_static_cache_refuses_a_pool_that_is_no_pool() -> None:
         cachelife.prepare_static_cache(3, batch_size=2, max_cache_len=8)  # type: ignore[arg-type]  # the misuse
 
 
-def _left_padded_llama() -> tuple[Any, dict[str, Any]]:
+def _padded_llama(side: str) -> tuple[Any, dict[str, Any]]:
     built = zoo.build("llama")
     model = built.model
     model.generation_config.pad_token_id = 0
     ids = built.inputs(3, 10, 1)["input_ids"]
-    ids[0, :4] = 0  # left padding with the pad token
-    ids[2, :2] = 0
+    if side == "left":
+        ids[0, :4] = 0
+        ids[2, :2] = 0
+    else:
+        ids[0, -4:] = 0
     return model, {"input_ids": ids}
 
 
-def test_left_padded_prompts_without_a_mask_are_refused_as_transformers_infers_their_mask() -> None:
-    model, inputs = _left_padded_llama()
-    with pytest.raises(cachelife.UnsupportedGenerationError, match="padded prompts"):
+def test_right_padded_prompts_without_a_mask_are_refused_as_transformers_infers_their_mask() -> None:
+    model, inputs = _padded_llama("right")
+    with pytest.raises(cachelife.UnsupportedGenerationError, match="right-padded prompts"):
         cachelife.generate(model, fallback=False, compile_step=False, **inputs, max_new_tokens=30)
 
 
-def test_left_padded_prompts_without_a_mask_fall_back_to_generate_s_tokens(caplog: pytest.LogCaptureFixture) -> None:
-    model, inputs = _left_padded_llama()
+def test_left_padded_prompts_without_a_mask_decode_as_with_the_inferred_mask() -> None:
+    model, inputs = _padded_llama("left")
     expected = zoo.generate_tokens(model, inputs, max_new_tokens=30)
-    got = cachelife.generate(model, compile_step=False, **inputs, max_new_tokens=30)
+    got = cachelife.generate(model, fallback=False, compile_step=False, **inputs, max_new_tokens=30)
     assert isinstance(got, torch.Tensor)
     assert torch.equal(got, expected)
-    assert any("padded prompts" in record.getMessage() for record in caplog.records)
+    mask = (inputs["input_ids"] != 0).long()
+    assert torch.equal(zoo.generate_tokens(model, {**inputs, "attention_mask": mask}, max_new_tokens=30), expected)

@@ -276,7 +276,7 @@ def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
         ("t5", {"num_beams": 2, "do_sample": True}, "num_beams > 1 with do_sample=True (beam sampling)"),
         ("t5", {"encoder_repetition_penalty": 1.3}, "encoder_repetition_penalty"),
         ("whisper", {"return_timestamps": True}, "return_timestamps"),
-        ("llama", {"padded": True}, "padded prompts for a decoder-only model"),
+        ("llama", {"padded": True}, "right-padded prompts for a decoder-only model"),
     ]
 
 
@@ -288,7 +288,7 @@ def test_unsupported_features_fall_back_with_one_warning_or_raise(
     inputs = inputs_of(built)
     if settings.pop("padded", False):
         inputs["attention_mask"] = inputs["attention_mask"].clone()
-        inputs["attention_mask"][0, :3] = 0
+        inputs["attention_mask"][0, -3:] = 0
     if name == "whisper":
         setattr(built.model.generation_config, "no_timestamps_token_id", 262)  # noqa: B010 - a Whisper field, not a stubbed one
     with caplog.at_level(logging.WARNING, logger="cachelife"):

@@ -87,9 +87,6 @@ def unsupported_argument(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> s
             return f"Whisper long-form audio (more than {limit} input frames)"
         if isinstance(kwargs.get("temperature"), list | tuple):
             return "Whisper temperature fallback (a sequence of temperatures)"
-    mask = kwargs.get("attention_mask")
-    if not model.config.is_encoder_decoder and isinstance(mask, torch.Tensor) and bool((mask == 0).any()):
-        return "padded prompts for a decoder-only model (attention_mask with zeros)"
     return None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -24,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.arguments import int_field
 from cachelife.generation.host import host_criteria
+from cachelife.generation.padding import is_padded, unsupported_padding
 from cachelife.generation.processors import unsupported_processor
 from cachelife.generation.searches import beam_search, greedy_search
 from cachelife.generation.states import StateLeases
@@ -73,8 +75,23 @@ def unsupported_prompt(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> 
     """A prompt the loop does not decode, read from what reaches the decoding method: the attention mask
     `generate` was given or inferred from the pad token, so that both are treated alike."""
     mask = model_kwargs.get("attention_mask")
-    if not model.config.is_encoder_decoder and isinstance(mask, torch.Tensor) and bool((mask == 0).any()):
-        return "padded prompts for a decoder-only model (an attention_mask with zeros, passed or inferred)"
+    if model.config.is_encoder_decoder or not isinstance(mask, torch.Tensor) or not is_padded(mask):
+        return None
+    return unsupported_padding(model, mask)
+
+
+def unsupported_window(model: PreTrainedModel, config: GenerationConfig, settings: LoopSettings) -> str | None:
+    """Sliding-window layers under a compiled step. transformers' sliding cache layer counts its positions in a
+    Python int (`cumulative_length_int`, which also gives the positions of new tokens and says when the window
+    is full); a compiled step and a captured graph keep it at the value they were traced with, so their tokens
+    would drift from `generate`'s. Such calls are left to transformers; the eager step (`compile_step=False`)
+    reads the int afresh at every step."""
+    if not settings.compile_step:
+        return None
+    positions = int_field(config, "max_length") + settings.steps_per_call
+    layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=positions).layers
+    if any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers):
+        return "sliding-window attention in a compiled step (pass compile_step=False for cachelife's eager step)"
     return None
 
 
@@ -100,6 +117,7 @@ def decoding_method(
             unsupported_processor(logits_processor)
             or unsupported_criterion(stopping_criteria, generation_config)
             or unsupported_prompt(model, model_kwargs)
+            or unsupported_window(model, generation_config, settings)
         )
         if feature is not None:
             fall_back(feature, settings.fallback, model)

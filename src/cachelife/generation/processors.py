@@ -225,11 +225,15 @@ class _ExponentialDecay:
     eos: torch.Tensor
     start: torch.Tensor  # 0-dim: the prompt length plus the configured start
     factor: torch.Tensor  # 0-dim float64
+    # transformers 5.24 leaves an end token's -inf as it is; 5.17 adds an infinite penalty to it (NaN).
+    spares_infinite: bool
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         at_eos = scores.index_select(1, self.eos)
         growth = (torch.pow(self.factor, (length - self.start).to(torch.float64)) - 1).to(scores.dtype)
-        penalty = (at_eos.abs() * growth).masked_fill(~torch.isfinite(at_eos), 0.0)
+        penalty = at_eos.abs() * growth
+        if self.spares_infinite:
+            penalty = penalty.masked_fill(~torch.isfinite(at_eos), 0.0)
         penalised = scores.index_copy(1, self.eos, at_eos + penalty)
         return torch.where(length > self.start, penalised, scores)
 
@@ -324,7 +328,8 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
         case lp.ExponentialDecayLengthPenalty():
             start = _scalar(int(processor.regulation_start), device)
             factor = torch.tensor(float(processor.regulation_factor), dtype=torch.float64, device=device)
-            return _ExponentialDecay(_eos(processor.eos_token_id, device), start, factor)
+            eos = _eos(processor.eos_token_id, device)
+            return _ExponentialDecay(eos, start, factor, _spares_infinite(processor, eos))
         case _:
             return _Called(processor)
 
@@ -353,6 +358,15 @@ def _sequence_bias(processor: lp.SequenceBiasLogitsProcessor, vocab_size: int, d
     # 5.24 computes `multi_token_biases` and applies a sequence once its prefix fits; 5.17 has no such attribute
     # and waits until the whole sequence would fit.
     return _SequenceBias(single, groups, extra_context=0 if hasattr(processor, "multi_token_biases") else 1)
+
+
+def _spares_infinite(processor: lp.ExponentialDecayLengthPenalty, eos: torch.Tensor) -> bool:
+    """Whether this transformers version's penalty leaves an end token at -inf (asked of the processor itself,
+    on one row past its start)."""
+    probe = torch.zeros(1, int(eos.max()) + 1)
+    probe[0, eos.cpu()] = -math.inf
+    after = processor(torch.zeros(1, int(processor.regulation_start) + 1, dtype=torch.long), probe)
+    return not bool(after.isnan().any())
 
 
 def _encoder_ngrams(

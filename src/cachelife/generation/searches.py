@@ -21,6 +21,7 @@ from cachelife.generation.arguments import early_stopping, eos_ids, float_field,
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.host import HostChecks
+from cachelife.generation.padding import LeftPadding
 from cachelife.generation.processors import tensor_processors
 from cachelife.generation.states import StateLeases
 from cachelife.generation.steps import LoopSettings, input_name, prefill, run_steps, stepper
@@ -54,10 +55,12 @@ def greedy_steps(
     step_inputs: dict[str, Any],
     steps: int,
     input_name: str,
+    padding: LeftPadding | None = None,
 ) -> None:
     """`steps` greedy or sampling steps (the function that gets compiled)."""
     for index in range(steps):
-        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
+        positions = {} if padding is None else padding.step_inputs(state.length)
+        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs, **positions)
         choose_and_append(state, output.logits[:, -1].to(torch.float32), noise[index], choice)
 
 
@@ -77,7 +80,7 @@ def greedy_search(
     max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
     width = buffer_width(max_length)
-    step_inputs, first_logits = prefill(model, input_ids, config, model_kwargs, width + spc, leases=leases)
+    step_inputs, first_logits, padding = prefill(model, input_ids, config, model_kwargs, width + spc, leases=leases)
     vocab, device = int(first_logits.shape[-1]), first_logits.device
     eos = eos_ids(config)
     pad_tensor = special_tokens(config, "_pad_token_tensor")
@@ -104,11 +107,11 @@ def greedy_search(
     def arguments(index: int, steps: int, settings: Choice) -> dict[str, Any]:
         return {
             "model": model, "state": state, "noise": noise.buffers[index : index + steps], "choice": settings,
-            "step_inputs": step_inputs, "steps": steps, "input_name": name,
+            "step_inputs": step_inputs, "steps": steps, "input_name": name, "padding": padding,
         }  # fmt: skip
 
     steps = stepper(
-        model, "greedy", greedy_steps, arguments, in_place=(model, state, noise.buffers, step_inputs),
+        model, "greedy", greedy_steps, arguments, in_place=(model, state, noise.buffers, step_inputs, padding),
         read_only=choice, settings=settings,
     )  # fmt: skip
 
@@ -135,11 +138,13 @@ def beam_steps(
     steps: int,
     input_name: str,
     self_attention: Sequence[object],
+    padding: LeftPadding | None = None,
 ) -> None:
     """`steps` beam-search steps (the function that gets compiled)."""
     for _ in range(steps):
         reorder_cache(state, self_attention)
-        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs)
+        positions = {} if padding is None else padding.step_inputs(state.cur_len)
+        output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs, **positions)
         beam_step(state, output.logits[:, -1].to(torch.float32), plan)
 
 
@@ -162,7 +167,7 @@ def beam_search(
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
-    step_inputs, first_logits = prefill(
+    step_inputs, first_logits, padding = prefill(
         model, input_ids, config, model_kwargs, buffer_width(max_length) + spc, leases=leases
     )
     vocab, device = int(first_logits.shape[-1]), first_logits.device
@@ -183,11 +188,11 @@ def beam_search(
     def arguments(index: int, steps: int, settings: BeamPlan) -> dict[str, Any]:
         return {
             "model": model, "state": state, "plan": settings, "step_inputs": step_inputs, "steps": steps,
-            "input_name": name, "self_attention": layers,
+            "input_name": name, "self_attention": layers, "padding": padding,
         }  # fmt: skip
 
     advance = stepper(
-        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers), read_only=plan,
+        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers, padding), read_only=plan,
         settings=settings,
     )  # fmt: skip
     run_steps(advance, lambda: state.running, max_length - prompt_length - 1, settings)

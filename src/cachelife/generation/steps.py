@@ -22,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
+from cachelife.generation.padding import LeftPadding, is_padded, padding_counts
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
@@ -58,13 +59,15 @@ def prefill(
     cache_length: int,
     *,
     leases: StateLeases,
-) -> tuple[dict[str, Any], torch.Tensor]:
+) -> tuple[dict[str, Any], torch.Tensor, LeftPadding | None]:
     """Pinned caches for `cache_length` positions, transformers' eager prefill on them, the inputs every
-    step passes again (cache, encoder output and mask), and the first logits (float32)."""
+    step passes again (cache, encoder output and mask), the first logits (float32), and a decoder-only
+    prompt's left padding (`padding`) if it has any."""
     name = cache_argument_name(model)
     rows = int(input_ids.shape[0])
     pool = pool_of(model)
     step_inputs: dict[str, Any] = {}
+    padding: LeftPadding | None = None
     if model.config.is_encoder_decoder:
         # The encoder output and its mask, copied into leased static buffers: the same addresses every step
         # and every call of this shape (no copy into the graph, no new capture).
@@ -78,13 +81,23 @@ def prefill(
             model_kwargs["attention_mask"] = step_inputs["attention_mask"] = leases.static_copy("encoder mask", mask)
     else:
         cache = prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
+        mask = model_kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and is_padded(mask):
+            padding = left_padding(mask, cache_length, leases)
     for stale in ("cache", "past_key_values"):
         model_kwargs.pop(stale, None)
     model_kwargs[name] = cache
     step_inputs[name] = cache
     outputs = model._prefill(input_ids, config, model_kwargs)
     logits: torch.Tensor = outputs["logits"]
-    return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32)
+    return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32), padding
+
+
+def left_padding(mask: torch.Tensor, width: int, leases: StateLeases) -> LeftPadding:
+    """The prompt's mask at the cache's width (ones after the prompt) and its padding, in leased buffers."""
+    full = torch.ones(mask.shape[0], width, dtype=mask.dtype, device=mask.device)
+    full[:, : mask.shape[1]] = mask
+    return LeftPadding(leases.static_copy("prompt mask", full), leases.static_copy("padding", padding_counts(mask)))
 
 
 def input_name(model: PreTrainedModel) -> str:
