@@ -1,7 +1,8 @@
 """`cachelife.generate`: `model.generate`'s tokens from a compiled, graph-captured decoding loop.
 
 `generate(model, **kwargs)` takes what `model.generate` takes and returns what it returns (the token
-tensor). transformers' `generate` prepares the call as always; cachelife replaces only the decoding method
+tensor, or with `return_dict_in_generate=True` its output object: sequences, scores, logits and the cache).
+transformers' `generate` prepares the call as always; cachelife replaces only the decoding method
 (`method`, `searches`, `steps`): logits processors (`processors`), greedy search and sampling (`greedy`) and
 beam search (`beams`) run inside one compiled step on pinned caches. What it does not implement
 (`arguments`) falls back to `model.generate` with one WARNING naming the feature, or raises
@@ -89,7 +90,7 @@ def generate(
         output = model.generate(**kwargs, custom_generate=method)
         if not called:  # a model whose own generate does not hand custom_generate on decoded it by itself
             fall_back(f"{type(model).__name__}.generate (it did not call cachelife's decoding method)", fallback, model)
-        return _tokens(output)
+        return _tokens(output, returns_dict=bool(getattr(config, "return_dict_in_generate", False)))
 
 
 def with_stop_string_criteria(kwargs: dict[str, Any], config: GenerationConfig) -> dict[str, Any]:
@@ -125,9 +126,10 @@ def check_generator(generator: object, model: PreTrainedModel) -> None:
         raise InvalidArgumentError(msg)
 
 
-def _tokens(output: object) -> torch.Tensor:
-    if not isinstance(output, torch.Tensor):
-        msg = f"generate returned a {type(output).__name__}, expected the token tensor"
+def _tokens(output: object, *, returns_dict: bool) -> torch.Tensor | ModelOutput:
+    expected = ModelOutput if returns_dict else torch.Tensor
+    if not isinstance(output, expected):
+        msg = f"generate returned a {type(output).__name__}, expected a {expected.__name__}"
         raise TypeError(msg)
     return output
 

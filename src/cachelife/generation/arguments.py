@@ -47,9 +47,6 @@ FALLBACK_ARGUMENTS: tuple[str, ...] = (
 
 # Generation-config fields that ask for outputs or stopping rules this loop does not produce.
 FALLBACK_CONFIG_FIELDS: tuple[str, ...] = (
-    "return_dict_in_generate",
-    "output_scores",
-    "output_logits",
     "output_attentions",
     "output_hidden_states",
     "prefill_chunk_size",
@@ -58,9 +55,6 @@ FALLBACK_CONFIG_FIELDS: tuple[str, ...] = (
     "token_healing",
 )
 _NEUTRAL_CONFIG: Mapping[str, tuple[object, ...]] = {
-    "return_dict_in_generate": (None, False),
-    "output_scores": (None, False),
-    "output_logits": (None, False),
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
     "prefill_chunk_size": (None,),
@@ -102,7 +96,7 @@ def merged_config(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> Generati
 
 # Outputs that `generate` returns only inside the output object of `return_dict_in_generate=True`: alone, it
 # ignores them, and so does cachelife.
-_OUTPUT_FIELDS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_OUTPUT_FIELDS = ("output_attentions", "output_hidden_states")
 # What the user passed for a generation mode cachelife does not run, by the mode's name.
 _MODE_ARGUMENTS: Mapping[str, str] = {
     "beam_sample": "num_beams > 1 with do_sample=True (beam sampling)",

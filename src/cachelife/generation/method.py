@@ -21,6 +21,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
+from transformers.utils import ModelOutput
 
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.arguments import int_field
@@ -80,6 +81,14 @@ def unsupported_prompt(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> 
     return unsupported_padding(model, mask)
 
 
+def unsupported_outputs(config: GenerationConfig) -> str | None:
+    """`return_dict_in_generate` outputs come from greedy search and sampling; beam search leaves them to
+    transformers."""
+    if getattr(config, "return_dict_in_generate", False) and int_field(config, "num_beams") > 1:
+        return "return_dict_in_generate with beam search"
+    return None
+
+
 def unsupported_window(model: PreTrainedModel, config: GenerationConfig, settings: LoopSettings) -> str | None:
     """Sliding-window layers under a compiled step. transformers' sliding cache layer counts its positions in a
     Python int (`cumulative_length_int`, which also gives the positions of new tokens and says when the window
@@ -97,7 +106,7 @@ def unsupported_window(model: PreTrainedModel, config: GenerationConfig, setting
 
 def decoding_method(
     settings: LoopSettings, on_call: Callable[[], None], streamer: BaseStreamer | None = None
-) -> Callable[..., torch.Tensor]:
+) -> Callable[..., torch.Tensor | ModelOutput]:
     """A decoding method for `generate(custom_generate=...)`: the compiled loop, or transformers' own
     (after the fallback warning) for processors or stopping criteria it cannot run. `on_call` runs first, so
     that the caller can tell whether `generate` called it at all."""
@@ -111,10 +120,11 @@ def decoding_method(
         generation_config: GenerationConfig,
         synced_gpus: bool = False,
         **model_kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | ModelOutput:
         on_call()
         feature = (
-            unsupported_processor(logits_processor)
+            unsupported_outputs(generation_config)
+            or unsupported_processor(logits_processor)
             or unsupported_criterion(stopping_criteria, generation_config)
             or unsupported_prompt(model, model_kwargs)
             or unsupported_window(model, generation_config, settings)
@@ -127,7 +137,7 @@ def decoding_method(
                 input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
             )  # fmt: skip
-            if not isinstance(result, torch.Tensor):
+            if not isinstance(result, torch.Tensor | ModelOutput):
                 msg = f"transformers' decoding method returned a {type(result).__name__}, expected tokens"
                 raise UnsupportedGenerationError(msg)
             return result

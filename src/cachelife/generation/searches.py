@@ -8,18 +8,23 @@ until the budget is spent or every sequence ended. Their state lives in buffers 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import StaticLayer
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+from transformers.utils import ModelOutput
 
+from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
-from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
+from cachelife.generation.greedy import Choice, GreedyState, ScoreRecord, choose_and_append
 from cachelife.generation.host import HostChecks
 from cachelife.generation.padding import LeftPadding
 from cachelife.generation.processors import tensor_processors
@@ -56,12 +61,13 @@ def greedy_steps(
     steps: int,
     input_name: str,
     padding: LeftPadding | None = None,
+    record: ScoreRecord | None = None,
 ) -> None:
     """`steps` greedy or sampling steps (the function that gets compiled)."""
     for index in range(steps):
         positions = {} if padding is None else padding.step_inputs(state.length)
         output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs, **positions)
-        choose_and_append(state, output.logits[:, -1].to(torch.float32), noise[index], choice)
+        choose_and_append(state, output.logits[:, -1].to(torch.float32), noise[index], choice, record)
 
 
 def greedy_search(
@@ -75,7 +81,7 @@ def greedy_search(
     leases: StateLeases,
     criteria: Sequence[StoppingCriteria] = (),
     streamer: BaseStreamer | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | ModelOutput:
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int_field(config, "max_length")
     spc = settings.steps_per_call
@@ -100,19 +106,20 @@ def greedy_search(
 
     state = leases.lease(("greedy", rows, width), GreedyState, lambda: GreedyState.allocate(rows, width, device))
     noise = _Noise(leases.lease(("noise", rows, vocab, spc), tuple, make_noise), generator)
+    record = score_record(config, leases, rows=rows, width=width, vocab=vocab, device=device)
     state.start(input_ids, choice.pad)
-    choose_and_append(state, first_logits, noise.refresh()[0], choice)
+    choose_and_append(state, first_logits, noise.refresh()[0], choice, record)
     name = input_name(model)
 
     def arguments(index: int, steps: int, settings: Choice) -> dict[str, Any]:
         return {
             "model": model, "state": state, "noise": noise.buffers[index : index + steps], "choice": settings,
-            "step_inputs": step_inputs, "steps": steps, "input_name": name, "padding": padding,
+            "step_inputs": step_inputs, "steps": steps, "input_name": name, "padding": padding, "record": record,
         }  # fmt: skip
 
     steps = stepper(
-        model, "greedy", greedy_steps, arguments, in_place=(model, state, noise.buffers, step_inputs, padding),
-        read_only=choice, settings=settings,
+        model, "greedy", greedy_steps, arguments,
+        in_place=(model, state, noise.buffers, step_inputs, padding, record), read_only=choice, settings=settings,
     )  # fmt: skip
 
     def advance() -> int:
@@ -122,8 +129,49 @@ def greedy_search(
     host = HostChecks(state, choice, criteria, streamer, prompt_length)
     run_steps(advance, host.check, max_length - prompt_length - 1, settings)
     host.finish()
-    tokens: torch.Tensor = state.tokens[:, : int(state.length)].clone()
-    return tokens
+    length = int(state.length)
+    tokens: torch.Tensor = state.tokens[:, :length].clone()
+    if record is None:
+        return tokens
+    cache = step_inputs[cache_argument_name(model)]
+    return generate_output(
+        model, tokens, scores=record.steps(record.scores, prompt_length, length),
+        logits=record.steps(record.logits, prompt_length, length), cache=cache, length=length,
+    )  # fmt: skip
+
+
+def score_record(
+    config: GenerationConfig, leases: StateLeases, *, rows: int, width: int, vocab: int, device: torch.device
+) -> ScoreRecord | None:
+    """Leased buffers for the scores and logits `return_dict_in_generate` asks for, or None."""
+    if not getattr(config, "return_dict_in_generate", False):
+        return None
+    scores, logits = bool(getattr(config, "output_scores", False)), bool(getattr(config, "output_logits", False))
+    key = ("scores", rows, width, vocab, scores, logits)
+    return leases.lease(
+        key, ScoreRecord, lambda: ScoreRecord.allocate(rows, width, vocab, device, scores=scores, logits=logits)
+    )
+
+
+def generate_output(
+    model: PreTrainedModel,
+    tokens: torch.Tensor,
+    *,
+    scores: tuple[torch.Tensor, ...] | None,
+    logits: tuple[torch.Tensor, ...] | None,
+    cache: object,
+    length: int,
+) -> ModelOutput:
+    """What `_sample` returns with `return_dict_in_generate=True`: the tokens, the scores and logits asked for,
+    and the cache, holding exactly the positions `_sample`'s would (every token but the last)."""
+    for layer in lifecycle(cache).self_attention:
+        if isinstance(layer.layer, StaticLayer):
+            layer.layer.cumulative_length.fill_(length - 1)
+    kind = GenerateEncoderDecoderOutput if model.config.is_encoder_decoder else GenerateDecoderOnlyOutput
+    names = set(inspect.signature(kind).parameters)
+    cache_field = "cache" if "cache" in names else "past_key_values"  # transformers 5.24, 5.17
+    output: ModelOutput = kind(sequences=tokens, scores=scores, logits=logits, **{cache_field: cache})
+    return output
 
 
 # -- beam search -------------------------------------------------------------------------------------------

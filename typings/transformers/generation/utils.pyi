@@ -10,6 +10,13 @@ class GenerationMixin:
         self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
     ) -> torch.Tensor | ModelOutput: ...
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]: ...
+    def compute_transition_scores(
+        self,
+        sequences: torch.Tensor,
+        scores: tuple[torch.Tensor, ...],
+        beam_indices: torch.Tensor | None = None,
+        normalize_logits: bool = False,
+    ) -> torch.Tensor: ...
     # Writes the cache it builds (or checks the one it is given) into model_kwargs. The signature is the
     # same in every version listed above.
     def _prepare_cache_for_generation(
@@ -52,3 +59,8 @@ class GenerationMixin:
         device: torch.device | str | None = None,
         batch_size: int | None = None,
     ) -> None: ...
+
+# What `_sample` returns with return_dict_in_generate=True; their fields are keyword arguments (`cache` in 5.24,
+# `past_key_values` in 5.17), read by cachelife through dataclasses.fields.
+class GenerateDecoderOnlyOutput(ModelOutput): ...
+class GenerateEncoderDecoderOutput(ModelOutput): ...
