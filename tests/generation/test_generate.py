@@ -271,7 +271,11 @@ def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
             "stopping_criteria (a _Never) with beam search",
         ),
         ("t5", {"prefix_allowed_tokens_fn": lambda batch, ids: [3, 4]}, "prefix_allowed_tokens_fn"),
-        ("t5", {"return_dict_in_generate": True, "num_beams": 2}, "return_dict_in_generate with beam search"),
+        (
+            "t5",
+            {"return_dict_in_generate": True, "num_beams": 2, "output_hidden_states": True},
+            "output_hidden_states",
+        ),
         ("t5", {"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
         ("t5", {"num_beams": 2, "do_sample": True}, "num_beams > 1 with do_sample=True (beam sampling)"),
         ("t5", {"encoder_repetition_penalty": 1.3}, "encoder_repetition_penalty"),

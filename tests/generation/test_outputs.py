@@ -110,10 +110,78 @@ def test_the_returned_cache_continues_generation_as_transformers_own() -> None:
     assert torch.equal(continued, expected)
 
 
-def test_beam_search_outputs_fall_back_by_name() -> None:
+BEAMS = {"num_beams": 3, "length_penalty": 0.7, "no_repeat_ngram_size": 2}
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "bart", "whisper"])
+@pytest.mark.parametrize("returned", [1, 2])
+def test_beam_search_outputs_equal_generate(name: str, returned: int) -> None:
+    """sequences, sequences_scores, per-step scores and logits of every beam, beam_indices."""
+    built = build(name)
+    settings = {**BEAMS, "num_return_sequences": returned, "output_scores": True, "output_logits": True}
+    ours, theirs = both(built, built.inputs(2, 9, 1), **settings)
+    assert torch.equal(part(ours, "sequences"), part(theirs, "sequences"))
+    assert torch.equal(part(ours, "beam_indices"), part(theirs, "beam_indices"))
+    torch.testing.assert_close(part(ours, "sequences_scores"), part(theirs, "sequences_scores"), rtol=1e-5, atol=1e-5)
+    assert_steps_close(part(ours, "scores"), part(theirs, "scores"))
+    assert_steps_close(part(ours, "logits"), part(theirs, "logits"))
+
+
+def test_beam_search_returns_only_what_is_asked_for() -> None:
     built = build("t5")
-    with pytest.raises(cachelife.UnsupportedGenerationError, match="return_dict_in_generate with beam search"):
-        cachelife.generate(
-            built.model, fallback=False, compile_step=False, **built.inputs(2, 9, 1), max_new_tokens=4, num_beams=2,
-            return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
+    ours, theirs = both(built, built.inputs(2, 9, 1), **BEAMS)
+    for name in ("sequences_scores", "scores", "logits"):
+        assert part(ours, name) is None
+        assert part(theirs, name) is None
+    assert torch.equal(part(ours, "beam_indices"), part(theirs, "beam_indices"))
+
+
+def test_transition_scores_of_beam_search_equal_generate_s() -> None:
+    built = build("bart")
+    ours, theirs = both(built, built.inputs(2, 9, 1), **BEAMS, num_return_sequences=2, output_scores=True)
+    model = built.model
+
+    def transitions(output: ModelOutput) -> torch.Tensor:
+        return model.compute_transition_scores(
+            part(output, "sequences"), part(output, "scores"), part(output, "beam_indices"), normalize_logits=False
+        )
+
+    torch.testing.assert_close(transitions(ours), transitions(theirs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_the_cache_beam_search_returns_holds_transformers_rows_and_positions(name: str) -> None:
+    """The returned cache holds the chosen beams in the order `_beam_search` leaves them (its last reorder
+    applied), and as many positions."""
+    built = build(name)
+    ours, theirs = both(built, built.inputs(2, 9, 1), num_beams=2)
+    cache_name = "cache" if "cache" in ours else "past_key_values"
+    mine, reference = ours[cache_name], theirs[cache_name]
+    length = int(reference.get_seq_length())
+    assert int(mine.get_seq_length()) == length
+    for ours_layer, theirs_layer in zip(_self_layers(mine), _self_layers(reference), strict=True):
+        for field in ("keys", "values"):
+            got, expected = getattr(ours_layer, field), getattr(theirs_layer, field)
+            torch.testing.assert_close(got[:, :, :length], expected[:, :, :length], rtol=1e-5, atol=1e-5)
+
+
+def _self_layers(cache: Any) -> list[Any]:
+    return list(getattr(cache, "self_attention_cache", cache).layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beams", [1, 3])
+def test_outputs_of_the_compiled_step_equal_generate(beams: int) -> None:
+    """The scores are kept inside the compiled step (static buffers written at a tensor column)."""
+    built = build("llama")
+    settings: dict[str, Any] = {
+        "max_new_tokens": NEW, "return_dict_in_generate": True, "output_scores": True, "num_beams": beams
+    }  # fmt: skip
+    theirs = built.model.generate(**built.inputs(2, 9, 1), **settings)
+    ours = cachelife.generate(built.model, fallback=False, steps_per_call=2, **built.inputs(2, 9, 1), **settings)
+    assert isinstance(ours, ModelOutput)
+    assert isinstance(theirs, ModelOutput)
+    assert torch.equal(part(ours, "sequences"), part(theirs, "sequences"))
+    assert_steps_close(part(ours, "scores"), part(theirs, "scores"))
+    if beams > 1:
+        torch.testing.assert_close(part(ours, "sequences_scores"), part(theirs, "sequences_scores"))

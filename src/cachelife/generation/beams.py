@@ -21,6 +21,7 @@ import torch
 from attrs import field, frozen
 
 from cachelife.generation.processors import TensorProcessor
+from cachelife.generation.records import ScoreRecord
 
 _NEG = -1.0e9
 
@@ -169,9 +170,10 @@ def _write_column(tensor: torch.Tensor, at: torch.Tensor, values: torch.Tensor) 
     return torch.where(column, values.unsqueeze(-1).to(tensor.dtype), tensor)
 
 
-def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan) -> None:
+def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan, record: ScoreRecord | None = None) -> None:
     """One beam-search iteration on `logits` (batch * beams, vocab; float32). The cache rows the next step
-    reads are left in `state.beam_idx`, for `reorder_cache` to apply before that step's forward call."""
+    reads are left in `state.beam_idx`, for `reorder_cache` to apply before that step's forward call. With a
+    `record`, the step's processed log-probabilities and raw logits are kept too."""
     batch, beams, keep = plan.batch, plan.beams, plan.keep
     cur_len, running = state.cur_len, state.running
     rows = batch * beams
@@ -179,6 +181,8 @@ def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan) -> None:
     flat_sequences = state.running_sequences.view(rows, -1).clone()  # not a view of a buffer this step writes
     for processor in plan.processors:
         log_probs = processor(flat_sequences, cur_len, log_probs)
+    if record is not None:
+        record.keep(cur_len, running, log_probs, logits)
     vocab = log_probs.shape[-1]
     log_probs = log_probs.view(batch, beams, vocab) + state.running_beam_scores[:, :, None]
     log_probs = log_probs.reshape(batch, beams * vocab)
@@ -276,9 +280,22 @@ def reorder_cache(state: BeamState, self_attention: Sequence[object]) -> None:
             buffer.copy_(buffer.index_select(0, state.beam_idx))
 
 
-def beam_output(state: BeamState, plan: BeamPlan, num_return_sequences: int) -> torch.Tensor:
-    """The best `num_return_sequences` finished sequences per input, cut as `_beam_search` cuts them."""
+@frozen
+class BeamResult:
+    """The best `num_return_sequences` finished hypotheses per input, flattened and cut as `_beam_search`
+    cuts them."""
+
+    sequences: torch.Tensor  # (batch * num_return_sequences, prompt + generated) long
+    sequences_scores: torch.Tensor  # (batch * num_return_sequences,) float32: length-penalised scores
+    beam_indices: torch.Tensor  # (batch * num_return_sequences, generated) int32: -1 past a hypothesis' end
+
+
+def beam_output(state: BeamState, plan: BeamPlan, num_return_sequences: int) -> BeamResult:
     sequences = state.sequences[:, :num_return_sequences].reshape(-1, state.sequences.shape[-1])
     indices = state.beam_indices[:, :num_return_sequences].reshape(-1, state.beam_indices.shape[-1])
     generated = int((indices + 1).bool().sum(dim=1).max())
-    return sequences[:, : plan.prompt_length + generated].clone()
+    return BeamResult(
+        sequences[:, : plan.prompt_length + generated].clone(),
+        state.beam_scores[:, :num_return_sequences].reshape(-1).clone(),
+        indices[:, :generated].clone(),
+    )

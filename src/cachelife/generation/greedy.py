@@ -12,6 +12,7 @@ import torch
 from attrs import frozen
 
 from cachelife.generation.processors import TensorProcessor
+from cachelife.generation.records import ScoreRecord
 
 
 @frozen
@@ -60,39 +61,6 @@ class GreedyState:
         return self.tokens.gather(1, index)
 
 
-@frozen
-class ScoreRecord:
-    """Static buffers `(rows, width, vocab)` float32 that keep each step's processed scores and raw logits at
-    the column of the token they chose, for `return_dict_in_generate` (None: not asked for)."""
-
-    scores: torch.Tensor | None
-    logits: torch.Tensor | None
-
-    @classmethod
-    def allocate(
-        cls, rows: int, width: int, vocab: int, device: torch.device, *, scores: bool, logits: bool
-    ) -> ScoreRecord:
-        def buffer(wanted: bool) -> torch.Tensor | None:
-            if not wanted:
-                return None
-            made = torch.zeros(rows, width, vocab, device=device)
-            torch._dynamo.mark_static_address(made)
-            return made
-
-        return cls(buffer(scores), buffer(logits))
-
-    def keep(self, state: GreedyState, running: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        column = state.length.clamp(max=state.tokens.shape[1] - 1).view(1)
-        for buffer, value in ((self.scores, scores), (self.logits, logits)):
-            if buffer is not None:
-                kept = torch.where(running, value, buffer.index_select(1, column).squeeze(1))
-                buffer.index_copy_(1, column, kept.unsqueeze(1))
-
-    def steps(self, buffer: torch.Tensor | None, start: int, end: int) -> tuple[torch.Tensor, ...] | None:
-        """The kept rows of columns `start` to `end` (the new tokens), one tensor per step, as `_sample` returns."""
-        return None if buffer is None else tuple(buffer[:, column].clone() for column in range(start, end))
-
-
 def choose_and_append(
     state: GreedyState, logits: torch.Tensor, noise: torch.Tensor, choice: Choice, record: ScoreRecord | None = None
 ) -> None:
@@ -104,7 +72,7 @@ def choose_and_append(
     for processor in choice.processors:
         scores = processor(state.tokens, state.length, scores)
     if record is not None:
-        record.keep(state, running, scores, logits)
+        record.keep(state.length, running, scores, logits)
     token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1) if choice.do_sample else scores.argmax(dim=-1)
     unfinished = state.unfinished
     if choice.eos is not None:

@@ -81,14 +81,6 @@ def unsupported_prompt(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> 
     return unsupported_padding(model, mask)
 
 
-def unsupported_outputs(config: GenerationConfig) -> str | None:
-    """`return_dict_in_generate` outputs come from greedy search and sampling; beam search leaves them to
-    transformers."""
-    if getattr(config, "return_dict_in_generate", False) and int_field(config, "num_beams") > 1:
-        return "return_dict_in_generate with beam search"
-    return None
-
-
 def unsupported_window(model: PreTrainedModel, config: GenerationConfig, settings: LoopSettings) -> str | None:
     """Sliding-window layers under a compiled step. transformers' sliding cache layer counts its positions in a
     Python int (`cumulative_length_int`, which also gives the positions of new tokens and says when the window
@@ -123,8 +115,7 @@ def decoding_method(
     ) -> torch.Tensor | ModelOutput:
         on_call()
         feature = (
-            unsupported_outputs(generation_config)
-            or unsupported_processor(logits_processor)
+            unsupported_processor(logits_processor)
             or unsupported_criterion(stopping_criteria, generation_config)
             or unsupported_prompt(model, model_kwargs)
             or unsupported_window(model, generation_config, settings)

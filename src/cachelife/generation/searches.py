@@ -18,16 +18,22 @@ from transformers.cache_utils import StaticLayer
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+from transformers.generation.utils import (
+    GenerateBeamDecoderOnlyOutput,
+    GenerateBeamEncoderDecoderOutput,
+    GenerateDecoderOnlyOutput,
+    GenerateEncoderDecoderOutput,
+)
 from transformers.utils import ModelOutput
 
 from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
-from cachelife.generation.greedy import Choice, GreedyState, ScoreRecord, choose_and_append
+from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.host import HostChecks
 from cachelife.generation.padding import LeftPadding
 from cachelife.generation.processors import tensor_processors
+from cachelife.generation.records import ScoreRecord
 from cachelife.generation.states import StateLeases
 from cachelife.generation.steps import LoopSettings, input_name, prefill, run_steps, stepper
 from cachelife.integration.call_arguments import cache_argument_name
@@ -133,10 +139,10 @@ def greedy_search(
     tokens: torch.Tensor = state.tokens[:, :length].clone()
     if record is None:
         return tokens
-    cache = step_inputs[cache_argument_name(model)]
     return generate_output(
-        model, tokens, scores=record.steps(record.scores, prompt_length, length),
-        logits=record.steps(record.logits, prompt_length, length), cache=cache, length=length,
+        model, sequences=tokens, scores=record.steps(record.scores, prompt_length, length),
+        logits=record.steps(record.logits, prompt_length, length), cache=step_inputs[cache_argument_name(model)],
+        length=length,
     )  # fmt: skip
 
 
@@ -154,23 +160,23 @@ def score_record(
 
 
 def generate_output(
-    model: PreTrainedModel,
-    tokens: torch.Tensor,
-    *,
-    scores: tuple[torch.Tensor, ...] | None,
-    logits: tuple[torch.Tensor, ...] | None,
-    cache: object,
-    length: int,
+    model: PreTrainedModel, *, cache: object, length: int, beams: bool = False, **fields: object
 ) -> ModelOutput:
-    """What `_sample` returns with `return_dict_in_generate=True`: the tokens, the scores and logits asked for,
-    and the cache, holding exactly the positions `_sample`'s would (every token but the last)."""
+    """What `_sample` (or with `beams`, `_beam_search`) returns with `return_dict_in_generate=True`: `fields`
+    (the sequences, and the scores, logits and beam outputs asked for) and the cache, holding exactly the
+    positions transformers' would after `length` (every token but the last)."""
     for layer in lifecycle(cache).self_attention:
         if isinstance(layer.layer, StaticLayer):
             layer.layer.cumulative_length.fill_(length - 1)
-    kind = GenerateEncoderDecoderOutput if model.config.is_encoder_decoder else GenerateDecoderOnlyOutput
+    kinds = (
+        (GenerateBeamEncoderDecoderOutput, GenerateBeamDecoderOnlyOutput)
+        if beams
+        else (GenerateEncoderDecoderOutput, GenerateDecoderOnlyOutput)
+    )
+    kind = kinds[0] if model.config.is_encoder_decoder else kinds[1]
     names = set(inspect.signature(kind).parameters)
     cache_field = "cache" if "cache" in names else "past_key_values"  # transformers 5.24, 5.17
-    output: ModelOutput = kind(sequences=tokens, scores=scores, logits=logits, **{cache_field: cache})
+    output: ModelOutput = kind(**fields, **{cache_field: cache})
     return output
 
 
@@ -187,13 +193,14 @@ def beam_steps(
     input_name: str,
     self_attention: Sequence[object],
     padding: LeftPadding | None = None,
+    record: ScoreRecord | None = None,
 ) -> None:
     """`steps` beam-search steps (the function that gets compiled)."""
     for _ in range(steps):
         reorder_cache(state, self_attention)
         positions = {} if padding is None else padding.step_inputs(state.cur_len)
         output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs, **positions)
-        beam_step(state, output.logits[:, -1].to(torch.float32), plan)
+        beam_step(state, output.logits[:, -1].to(torch.float32), plan, record)
 
 
 def _self_attention_layers(cache: object) -> tuple[object, ...]:
@@ -210,7 +217,7 @@ def beam_search(
     settings: LoopSettings,
     model_kwargs: dict[str, Any],
     leases: StateLeases,
-) -> torch.Tensor:
+) -> torch.Tensor | ModelOutput:
     beams = int_field(config, "num_beams")
     rows, prompt_length = int(input_ids.shape[0]), int(input_ids.shape[1])
     max_length = int_field(config, "max_length")
@@ -229,19 +236,33 @@ def beam_search(
     fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
     state = leases.lease(("beams", plan.batch, beams, plan.width), BeamState, lambda: BeamState.allocate(plan, device))
     state.start(input_ids, plan, fill)
-    layers = _self_attention_layers(step_inputs[cache_argument_name(model)])
-    beam_step(state, first_logits, plan)
+    cache = step_inputs[cache_argument_name(model)]
+    layers = _self_attention_layers(cache)
+    record = score_record(config, leases, rows=rows, width=plan.width, vocab=vocab, device=device)
+    beam_step(state, first_logits, plan, record)
     name = input_name(model)
 
     def arguments(index: int, steps: int, settings: BeamPlan) -> dict[str, Any]:
         return {
             "model": model, "state": state, "plan": settings, "step_inputs": step_inputs, "steps": steps,
-            "input_name": name, "self_attention": layers, "padding": padding,
+            "input_name": name, "self_attention": layers, "padding": padding, "record": record,
         }  # fmt: skip
 
     advance = stepper(
-        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers, padding), read_only=plan,
-        settings=settings,
+        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers, padding, record),
+        read_only=plan, settings=settings,
     )  # fmt: skip
     run_steps(advance, lambda: state.running, max_length - prompt_length - 1, settings)
-    return beam_output(state, plan, int_field(config, "num_return_sequences"))
+    result = beam_output(state, plan, int_field(config, "num_return_sequences"))
+    if record is None:
+        return result.sequences
+    # transformers reorders the cache at the end of each iteration, cachelife at the start of the next: the last
+    # search step's reorder is still pending unless a step ran after the end (then `beam_idx` is the identity).
+    reorder_cache(state, layers)
+    length = int(state.cur_len)
+    return generate_output(
+        model, cache=cache, length=length, beams=True, sequences=result.sequences,
+        sequences_scores=result.sequences_scores if record.scores is not None else None,
+        scores=record.steps(record.scores, prompt_length, length),
+        logits=record.steps(record.logits, prompt_length, length), beam_indices=result.beam_indices,
+    )  # fmt: skip
