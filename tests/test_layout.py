@@ -1,5 +1,6 @@
-"""The package's layout: imports only go down the layers (the base -> the lifecycle core -> the transformers
-integration -> the fast loop -> the tools and the public face), never back up, whatever form they take."""
+"""The package's layout: imports only go down the layers (the base -> the lifecycle core -> the step's
+kernels -> the transformers integration -> the fast loop -> the tools and the public face), never back up,
+whatever form they take."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cachelife"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors", "log", "validate", "version"}),
     frozenset({"core"}),
+    frozenset({"kernels"}),
     frozenset({"integration"}),
     frozenset({"generation"}),
     frozenset({"tools", "__main__", "__init__"}),
