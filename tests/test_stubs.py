@@ -256,6 +256,14 @@ def each_model_class_generates() -> None:
         assert issubclass(model_class, GenerationMixin), model_class
 
 
+def beam_sampling_draws_in_top_k_continuations() -> None:
+    """cachelife reads this method's source for whether the drawn candidates are sorted: it must be where
+    beam sampling draws them."""
+    source = inspect.getsource(GenerationMixin._get_top_k_continuations)
+    assert "torch.multinomial" in source
+    assert "do_sample" in inspect.signature(GenerationMixin._get_top_k_continuations).parameters
+
+
 CONFIG_INIT = "configs take every field as a keyword and keep unknown ones; their signatures show no **kwargs"
 # qualified name -> (why the signature comparison cannot judge it, the behaviour checked instead).
 NOT_SIGNATURES: dict[str, tuple[str, Callable[[], None]]] = {
@@ -267,6 +275,10 @@ NOT_SIGNATURES: dict[str, tuple[str, Callable[[], None]]] = {
     "transformers.configuration_utils.PreTrainedConfig.__getattr__": (
         "configs answer any attribute through __getattribute__ and attribute_map; the stub says so with __getattr__",
         configs_hold_any_attribute,
+    ),
+    "transformers.generation.utils.GenerationMixin._get_top_k_continuations": (
+        "its arguments differ by version (5.17 takes vocab_size, 5.24 **kwargs); cachelife reads its source only",
+        beam_sampling_draws_in_top_k_continuations,
     ),
     "transformers.modeling_utils.PreTrainedModel.forward": (
         "PreTrainedModel's own forward is torch's placeholder; every model class defines its own",

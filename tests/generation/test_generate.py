@@ -277,7 +277,6 @@ def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
             "output_hidden_states",
         ),
         ("t5", {"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
-        ("t5", {"num_beams": 2, "do_sample": True}, "num_beams > 1 with do_sample=True (beam sampling)"),
         ("t5", {"encoder_repetition_penalty": 1.3}, "encoder_repetition_penalty"),
         ("whisper", {"return_timestamps": True}, "return_timestamps"),
         ("llama", {"padded": True}, "right-padded prompts for a decoder-only model"),
@@ -321,13 +320,13 @@ def test_a_fallback_warns_once_per_model_and_feature_naming_the_way_out(caplog: 
     with caplog.at_level(logging.WARNING, logger="cachelife"):
         for model in (built.model, built.model, other.model):
             cachelife.generate(model, compile_step=False, **inputs_of(built), **settings)
-        beam_sample: dict[str, Any] = {"max_new_tokens": 4, "num_beams": 2, "do_sample": True}
-        cachelife.generate(built.model, compile_step=False, **inputs_of(built), **beam_sample)
+        constrained: dict[str, Any] = {"max_new_tokens": 4, "prefix_allowed_tokens_fn": lambda batch, ids: [3, 4]}
+        cachelife.generate(built.model, compile_step=False, **inputs_of(built), **constrained)
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(messages) == 3, messages  # once per model for the penalty, once for the other feature
     assert "leave out encoder_repetition_penalty to decode on cachelife's fast path" in messages[0]
     assert "fallback=False" in messages[0]
-    assert "num_beams > 1 with do_sample=True (beam sampling)" in messages[2]
+    assert "leave out prefix_allowed_tokens_fn" in messages[2]
 
 
 def test_whisper_long_form_and_assistants_fall_back() -> None:

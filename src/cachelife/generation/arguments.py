@@ -63,7 +63,9 @@ _NEUTRAL_CONFIG: Mapping[str, tuple[object, ...]] = {
     "token_healing": (None, False),
 }
 
-SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH)
+SUPPORTED_MODES = (
+    GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE
+)  # fmt: skip
 
 
 def unsupported_argument(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> str | None:
@@ -99,7 +101,6 @@ def merged_config(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> Generati
 _OUTPUT_FIELDS = ("output_attentions", "output_hidden_states")
 # What the user passed for a generation mode cachelife does not run, by the mode's name.
 _MODE_ARGUMENTS: Mapping[str, str] = {
-    "beam_sample": "num_beams > 1 with do_sample=True (beam sampling)",
     "group_beam_search": "num_beam_groups > 1 (group beam search)",
     "constrained_beam_search": "constraints or force_words_ids (constrained beam search)",
     "assisted_generation": "assistant_model or prompt_lookup_num_tokens (assisted generation)",

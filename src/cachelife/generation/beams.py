@@ -15,10 +15,13 @@ input's beams.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
 from attrs import field, frozen
+from transformers.generation.utils import GenerationMixin
 
 from cachelife.generation.processors import TensorProcessor
 from cachelife.generation.records import ScoreRecord
@@ -42,6 +45,10 @@ class BeamPlan:
     prompt: torch.Tensor  # 0-dim long
     limit: torch.Tensor  # 0-dim long: max_length
     early_stopping: bool | str
+    # Beam sampling: candidates drawn without replacement (an exponential race over the accumulated
+    # probabilities) instead of the top ones; `sort_samples` as the installed transformers orders them.
+    do_sample: bool
+    sort_samples: bool
     top_beam_mask: torch.Tensor  # (keep,) bool: the first `beams` candidates
     finished_scale: torch.Tensor  # (width + 1,) float32: 1 / (cur_len + 1 - prompt) ** length_penalty
     heuristic_scale: torch.Tensor  # (width + 1,) float32: 1 / best hypothetical length ** length_penalty
@@ -58,6 +65,7 @@ class BeamPlan:
         max_length: int,
         early_stopping: bool | str,
         length_penalty: float,
+        do_sample: bool = False,
         device: torch.device,
     ) -> BeamPlan:
         keep = max(2, 1 + (0 if eos is None else int(eos.numel()))) * beams
@@ -72,8 +80,17 @@ class BeamPlan:
         return cls(
             processors, eos, batch, beams, keep, prompt_length, max_length, width,
             torch.tensor(prompt_length, device=device), torch.tensor(max_length, device=device), early_stopping,
-            mask.to(device), _reciprocals(finished, device), _reciprocals(best, device),
+            do_sample, do_sample and transformers_sorts_samples(), mask.to(device), _reciprocals(finished, device),
+            _reciprocals(best, device),
         )  # fmt: skip
+
+
+@functools.cache
+def transformers_sorts_samples() -> bool:
+    """Whether the installed transformers sorts the candidates beam sampling drew by their scores (5.24) or
+    keeps them in the order drawn (5.17): the first `beams` of them are the ones that may finish."""
+    source = inspect.getsource(GenerationMixin._get_top_k_continuations)
+    return ".sort(" in source
 
 
 def buffer_width(max_length: int) -> int:
@@ -170,9 +187,12 @@ def _write_column(tensor: torch.Tensor, at: torch.Tensor, values: torch.Tensor) 
     return torch.where(column, values.unsqueeze(-1).to(tensor.dtype), tensor)
 
 
-def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan, record: ScoreRecord | None = None) -> None:
+def beam_step(
+    state: BeamState, logits: torch.Tensor, plan: BeamPlan, noise: torch.Tensor, record: ScoreRecord | None = None
+) -> None:
     """One beam-search iteration on `logits` (batch * beams, vocab; float32). The cache rows the next step
-    reads are left in `state.beam_idx`, for `reorder_cache` to apply before that step's forward call. With a
+    reads are left in `state.beam_idx`, for `reorder_cache` to apply before that step's forward call. `noise`
+    (batch, beams * vocab) is the exponential noise beam sampling draws with (unread otherwise). With a
     `record`, the step's processed log-probabilities and raw logits are kept too."""
     batch, beams, keep = plan.batch, plan.beams, plan.keep
     cur_len, running = state.cur_len, state.running
@@ -187,8 +207,16 @@ def beam_step(state: BeamState, logits: torch.Tensor, plan: BeamPlan, record: Sc
     log_probs = log_probs.view(batch, beams, vocab) + state.running_beam_scores[:, :, None]
     log_probs = log_probs.reshape(batch, beams * vocab)
 
-    # c. top-K continuations (_get_top_k_continuations, greedy)
-    topk_log_probs, topk_indices = torch.topk(log_probs, k=keep)
+    # c. top-K continuations (_get_top_k_continuations): the best, or drawn without replacement in proportion
+    # to softmax(log_probs) (the order of an exponential race is the order of successive draws)
+    if plan.do_sample:
+        topk_indices = torch.topk(torch.softmax(log_probs, dim=-1) / noise, k=keep)[1]
+        topk_log_probs = log_probs.gather(1, topk_indices)
+        if plan.sort_samples:
+            topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)
+            topk_indices = topk_indices.gather(1, order)
+    else:
+        topk_log_probs, topk_indices = torch.topk(log_probs, k=keep)
     topk_current = topk_indices // vocab
     topk_beam_indices = _gather_beams(state.running_beam_indices, topk_current)
     topk_sequences = _gather_beams(state.running_sequences, topk_current)

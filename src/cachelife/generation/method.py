@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
@@ -122,8 +121,8 @@ def decoding_method(
         )
         if feature is not None:
             fall_back(feature, settings.fallback, model)
-            mode = generation_config.get_generation_mode()
-            method = model._beam_search if mode == GenerationMode.BEAM_SEARCH else model._sample
+            beams = int_field(generation_config, "num_beams") > 1  # beam search and beam sampling
+            method = model._beam_search if beams else model._sample
             result = method(
                 input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,

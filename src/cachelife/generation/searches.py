@@ -41,13 +41,24 @@ from cachelife.integration.call_arguments import cache_argument_name
 
 class _Noise:
     """Exponential noise for the steps of one call of the step from the caller's generator, one static
-    buffer per step (ones, unused, for greedy search)."""
+    buffer `(rows, columns)` per step, leased for the call (ones, unused, for greedy and beam search)."""
 
-    def __init__(self, buffers: tuple[torch.Tensor, ...], generator: torch.Generator | None) -> None:
-        self.buffers = buffers
-        self.generator = generator
-        if generator is None:
-            for buffer in buffers:
+    def __init__(
+        self, leases: StateLeases, key: str, shape: tuple[int, int], *, steps: int, config: GenerationConfig,
+        settings: LoopSettings, device: torch.device,
+    ) -> None:  # fmt: skip
+        def make() -> tuple[torch.Tensor, ...]:
+            noise = tuple(torch.ones(shape, device=device) for _ in range(steps))
+            for buffer in noise:
+                torch._dynamo.mark_static_address(buffer)
+            return noise
+
+        self.buffers = leases.lease((key, *shape, steps), tuple, make)
+        self.generator = settings.generator if config.do_sample else None
+        if config.do_sample and self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
+        if self.generator is None:
+            for buffer in self.buffers:
                 buffer.fill_(1.0)
 
     def refresh(self) -> tuple[torch.Tensor, ...]:
@@ -100,18 +111,8 @@ def greedy_search(
         tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
         0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
     )  # fmt: skip
-    generator = settings.generator if config.do_sample else None
-    if config.do_sample and generator is None:
-        generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
-
-    def make_noise() -> tuple[torch.Tensor, ...]:
-        noise = tuple(torch.ones(rows, vocab, device=device) for _ in range(spc))
-        for buffer in noise:
-            torch._dynamo.mark_static_address(buffer)
-        return noise
-
     state = leases.lease(("greedy", rows, width), GreedyState, lambda: GreedyState.allocate(rows, width, device))
-    noise = _Noise(leases.lease(("noise", rows, vocab, spc), tuple, make_noise), generator)
+    noise = _Noise(leases, "noise", (rows, vocab), steps=spc, config=config, settings=settings, device=device)
     record = score_record(config, leases, rows=rows, width=width, vocab=vocab, device=device)
     state.start(input_ids, choice.pad)
     choose_and_append(state, first_logits, noise.refresh()[0], choice, record)
@@ -188,6 +189,7 @@ def beam_steps(
     state: BeamState,
     *,
     plan: BeamPlan,
+    noise: Sequence[torch.Tensor],
     step_inputs: dict[str, Any],
     steps: int,
     input_name: str,
@@ -196,11 +198,11 @@ def beam_steps(
     record: ScoreRecord | None = None,
 ) -> None:
     """`steps` beam-search steps (the function that gets compiled)."""
-    for _ in range(steps):
+    for index in range(steps):
         reorder_cache(state, self_attention)
         positions = {} if padding is None else padding.step_inputs(state.cur_len)
         output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs, **positions)
-        beam_step(state, output.logits[:, -1].to(torch.float32), plan, record)
+        beam_step(state, output.logits[:, -1].to(torch.float32), plan, noise[index], record)
 
 
 def _self_attention_layers(cache: object) -> tuple[object, ...]:
@@ -230,7 +232,7 @@ def beam_search(
     plan = BeamPlan.make(
         tensor_processors(processors, vocab_size=vocab, device=device), eos, batch=rows // beams, beams=beams,
         prompt_length=prompt_length, max_length=max_length, early_stopping=early_stopping(config),
-        length_penalty=float_field(config, "length_penalty"), device=device,
+        length_penalty=float_field(config, "length_penalty"), do_sample=bool(config.do_sample), device=device,
     )  # fmt: skip
     pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
     fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
@@ -239,19 +241,29 @@ def beam_search(
     cache = step_inputs[cache_argument_name(model)]
     layers = _self_attention_layers(cache)
     record = score_record(config, leases, rows=rows, width=plan.width, vocab=vocab, device=device)
-    beam_step(state, first_logits, plan, record)
+    noise = _Noise(
+        leases, "beam noise", (plan.batch, beams * vocab), steps=spc, config=config, settings=settings, device=device
+    )
+    beam_step(state, first_logits, plan, noise.refresh()[0], record)
     name = input_name(model)
 
     def arguments(index: int, steps: int, settings: BeamPlan) -> dict[str, Any]:
         return {
-            "model": model, "state": state, "plan": settings, "step_inputs": step_inputs, "steps": steps,
-            "input_name": name, "self_attention": layers, "padding": padding, "record": record,
+            "model": model, "state": state, "plan": settings, "noise": noise.buffers[index : index + steps],
+            "step_inputs": step_inputs, "steps": steps, "input_name": name, "self_attention": layers,
+            "padding": padding, "record": record,
         }  # fmt: skip
 
-    advance = stepper(
-        model, "beams", beam_steps, arguments, in_place=(model, state, step_inputs, layers, padding, record),
-        read_only=plan, settings=settings,
+    steps = stepper(
+        model, "beams", beam_steps, arguments,
+        in_place=(model, state, noise.buffers, step_inputs, layers, padding, record), read_only=plan,
+        settings=settings,
     )  # fmt: skip
+
+    def advance() -> int:
+        noise.refresh()
+        return steps()
+
     run_steps(advance, lambda: state.running, max_length - prompt_length - 1, settings)
     result = beam_output(state, plan, int_field(config, "num_return_sequences"))
     if record is None:

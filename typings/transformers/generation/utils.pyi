@@ -52,6 +52,8 @@ class GenerationMixin:
         synced_gpus: bool = False,
         **model_kwargs: Any,
     ) -> torch.Tensor | ModelOutput: ...
+    # Read by cachelife (its source) to follow how beam sampling orders its draws; arguments differ by version.
+    def _get_top_k_continuations(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]: ...
     def _prepare_special_tokens(
         self,
         generation_config: GenerationConfig,
