@@ -278,7 +278,6 @@ def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
         ),
         ("t5", {"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
         ("t5", {"encoder_repetition_penalty": 1.3}, "encoder_repetition_penalty"),
-        ("whisper", {"return_timestamps": True}, "return_timestamps"),
         ("llama", {"padded": True}, "right-padded prompts for a decoder-only model"),
     ]
 
@@ -329,11 +328,8 @@ def test_a_fallback_warns_once_per_model_and_feature_naming_the_way_out(caplog: 
     assert "leave out prefix_allowed_tokens_fn" in messages[2]
 
 
-def test_whisper_long_form_and_assistants_fall_back() -> None:
+def test_assistants_fall_back() -> None:
     built = build("whisper")
-    long = torch.randn(1, 16, 200, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(UnsupportedGenerationError, match="Whisper long-form"):
-        cachelife.generate(built.model, fallback=False, input_features=long, max_new_tokens=4)
     with pytest.raises(UnsupportedGenerationError, match="assistant_model"):
         cachelife.generate(
             built.model, fallback=False, assistant_model=built.model, **inputs_of(built), max_new_tokens=4

@@ -1,7 +1,8 @@
 """`cachelife.generate`: `model.generate`'s tokens from a compiled, graph-captured decoding loop.
 
 `generate(model, **kwargs)` takes what `model.generate` takes and returns what it returns (the token
-tensor, or with `return_dict_in_generate=True` its output object: sequences, scores, logits and the cache).
+tensor, or with `return_dict_in_generate=True` its output object: sequences, scores, logits and the cache;
+Whisper's dict of sequences and segments with `return_segments=True`).
 transformers' `generate` prepares the call as always; cachelife replaces only the decoding method
 (`method`, `searches`, `steps`): logits processors (`processors`), greedy search and sampling (`greedy`) and
 beam search (`beams`) run inside one compiled step on pinned caches. What it does not implement
@@ -12,7 +13,7 @@ beam search (`beams`) run inside one compiled step on pinned caches. What it doe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -41,7 +42,7 @@ def generate(
     compile_options: Mapping[str, str | int | bool] | None = None,
     encoder_buckets: Sequence[int] | None = None,
     **kwargs: Any,
-) -> torch.Tensor | ModelOutput:
+) -> torch.Tensor | ModelOutput | dict[str, Any]:
     """`model.generate(**kwargs)`'s token tensor, decoded by cachelife's compiled loop (or, after a fallback,
     whatever `model.generate(**kwargs)` returns).
 
@@ -126,12 +127,20 @@ def check_generator(generator: object, model: PreTrainedModel) -> None:
         raise InvalidArgumentError(msg)
 
 
-def _tokens(output: object, *, returns_dict: bool) -> torch.Tensor | ModelOutput:
+def _tokens(output: object, *, returns_dict: bool) -> torch.Tensor | ModelOutput | dict[str, Any]:
+    if _is_whisper_dict(output):
+        return output
     expected = ModelOutput if returns_dict else torch.Tensor
     if not isinstance(output, expected):
         msg = f"generate returned a {type(output).__name__}, expected a {expected.__name__}"
         raise TypeError(msg)
     return output
+
+
+def _is_whisper_dict(output: object) -> TypeGuard[dict[str, Any]]:
+    """Whisper's generate returns a plain dict (sequences, segments) for `return_segments=True`, and for
+    `return_dict_in_generate=True` with timestamps."""
+    return type(output) is dict and "sequences" in output
 
 
 __all__ = ["generate"]

@@ -35,14 +35,8 @@ FALLBACK_ARGUMENTS: tuple[str, ...] = (
     "inputs_embeds",
     "decoder_inputs_embeds",
     "decoder_attention_mask",
-    # Whisper
-    "return_timestamps",
+    # Whisper: token timestamps come from the cross-attentions, which the loop does not keep.
     "return_token_timestamps",
-    "return_segments",
-    "prompt_ids",
-    "prompt_condition_type",
-    "condition_on_prev_tokens",
-    "num_segment_frames",
 )
 
 # Generation-config fields that ask for outputs or stopping rules this loop does not produce.
@@ -76,13 +70,6 @@ def unsupported_argument(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> s
             return name
     if kwargs.get("inputs") is not None:
         return "inputs (positional input tensor; pass it by name: input_ids=, input_features=)"
-    if model.config.model_type == "whisper":
-        features = kwargs.get("input_features")
-        limit = 2 * int(model.config.max_source_positions)
-        if isinstance(features, torch.Tensor) and features.shape[-1] > limit:
-            return f"Whisper long-form audio (more than {limit} input frames)"
-        if isinstance(kwargs.get("temperature"), list | tuple):
-            return "Whisper temperature fallback (a sequence of temperatures)"
     return None
 
 

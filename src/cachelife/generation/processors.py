@@ -29,8 +29,11 @@ max_length - 1) held as 0-dim tensors too, so that calls of other lengths share 
 | NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor | rewritten (prefixes read at `length`) |
 | EncoderNoRepeatNGramLogitsProcessor   | rewritten (the encoder's n-grams as tensors) |
 | ExponentialDecayLengthPenalty         | rewritten (`length > start`, the power in float64) |
+| WhisperTimeStampLogitsProcessor       | rewritten (the generated tokens from `begin_index` to `length`) |
 
-Any other processor (custom lists, `prefix_allowed_tokens_fn`, Whisper timestamps, ...) is named by
+Whisper's generate moves the begin index of its processors to each segment's decoder prompt
+(`set_begin_index`) before it calls the decoding method; the rewrites read it when the method converts them.
+Any other processor (custom lists, `prefix_allowed_tokens_fn`, Whisper's no-speech detection, ...) is named by
 `unsupported_processor` so that the caller can fall back to transformers' own loop.
 """
 
@@ -43,6 +46,7 @@ import torch
 from attrs import frozen
 from transformers.generation import logits_process as lp
 
+from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.rewrites import (
     EncoderNoRepeatNGram,
     Eta,
@@ -53,6 +57,7 @@ from cachelife.generation.rewrites import (
     RepetitionPenalty,
     SequenceBias,
     SuppressAtBegin,
+    WhisperTimestamps,
 )
 
 # (tokens (rows, width), length (0-dim long), scores (rows, vocab)) -> scores
@@ -93,6 +98,14 @@ _READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
     lp.EtaLogitsWarper: ("epsilon", "min_tokens_to_keep", "filter_value"),
     lp.EncoderNoRepeatNGramLogitsProcessor: ("ngram_size", "generated_ngrams", "batch_size"),
     lp.ExponentialDecayLengthPenalty: ("regulation_start", "regulation_factor", "eos_token_id"),
+    lp.WhisperTimeStampLogitsProcessor: (
+        "no_timestamps_token_id",
+        "timestamp_begin",
+        "eos_token_id",
+        "begin_index",
+        "max_initial_timestamp_index",
+        "_detect_timestamp_from_logprob",
+    ),
 }
 
 
@@ -100,7 +113,6 @@ _READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
 _ARGUMENT_OF: dict[str, str] = {
     "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
     "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
-    "WhisperTimeStampLogitsProcessor": "return_timestamps (Whisper's timestamp rules)",
     "WhisperNoSpeechDetection": "no_speech_threshold (Whisper)",
     "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
@@ -123,6 +135,8 @@ def unsupported_processor(processors: Sequence[lp.LogitsProcessor]) -> str | Non
         missing = [name for name in _READS.get(kind, ()) if not hasattr(processor, name)]
         if missing:
             return f"{kind.__name__} of this transformers version (no {', '.join(missing)})"
+        if isinstance(processor, lp.WhisperTimeStampLogitsProcessor) and not isinstance(processor.eos_token_id, int):
+            return "Whisper's timestamp rules with several end tokens (transformers' own slices by one)"
     return None
 
 
@@ -175,6 +189,8 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
             factor = torch.tensor(float(processor.regulation_factor), dtype=torch.float64, device=device)
             eos = _eos(processor.eos_token_id, device)
             return ExponentialDecay(eos, start, factor, _spares_infinite(processor, eos))
+        case lp.WhisperTimeStampLogitsProcessor():
+            return _whisper_timestamps(processor, device)
         case _:
             return _Called(processor)
 
@@ -233,6 +249,20 @@ def _encoder_ngrams(
     return EncoderNoRepeatNGram(size, prefixes.to(device), nexts.to(device))
 
 
+def _whisper_timestamps(processor: lp.WhisperTimeStampLogitsProcessor, device: torch.device) -> WhisperTimestamps:
+    """From the processor's attributes as they are at this call: Whisper's generate sets `begin_index` per
+    segment."""
+    initial, eos = processor.max_initial_timestamp_index, processor.eos_token_id
+    if not isinstance(eos, int):  # refused by unsupported_processor
+        msg = f"Whisper's timestamp rules need one end token, got eos_token_id={eos!r}"
+        raise UnsupportedGenerationError(msg)
+    return WhisperTimestamps(
+        int(processor.no_timestamps_token_id), int(processor.timestamp_begin), eos,
+        _scalar(int(processor.begin_index), device), None if initial is None else int(initial),
+        bool(processor._detect_timestamp_from_logprob),
+    )  # fmt: skip
+
+
 _REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
     lp.SuppressTokensAtBeginLogitsProcessor,
     lp.MinLengthLogitsProcessor,
@@ -246,4 +276,5 @@ _REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
     lp.EtaLogitsWarper,
     lp.EncoderNoRepeatNGramLogitsProcessor,
     lp.ExponentialDecayLengthPenalty,
+    lp.WhisperTimeStampLogitsProcessor,
 )

@@ -175,3 +175,51 @@ class ExponentialDecay:
             penalty = penalty.masked_fill(~torch.isfinite(at_eos), 0.0)
         penalised = scores.index_copy(1, self.eos, at_eos + penalty)
         return torch.where(length > self.start, penalised, scores)
+
+
+@frozen
+class WhisperTimestamps:
+    """WhisperTimeStampLogitsProcessor, for every row at once: no `<|notimestamps|>`; timestamps in pairs (after
+    two, text; after one, a timestamp or the end); none below the last one (nor the last one again, unless it
+    opens a pair); at `begin_index`, a timestamp no later than `max_initial`; and only timestamps where their
+    summed probability beats every text token's."""
+
+    no_timestamps: int
+    timestamp_begin: int
+    eos: int  # the first id of the ones that stay allowed after a lone timestamp
+    begin_index: torch.Tensor  # 0-dim: the decoder prompt's length, which changes from segment to segment
+    max_initial: int | None  # the last allowed first timestamp, as an offset from timestamp_begin
+    from_logprob: bool
+
+    def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        begin, width = self.timestamp_begin, tokens.shape[1]
+        ids = torch.arange(scores.shape[-1], device=scores.device)
+        is_timestamp = ids >= begin
+        scores = scores.masked_fill(ids == self.no_timestamps, -math.inf)
+        count = length - self.begin_index  # tokens generated so far
+        last = tokens.index_select(1, (length - 1).clamp(0, width - 1).view(1)).squeeze(1)
+        before_last = tokens.index_select(1, (length - 2).clamp(0, width - 1).view(1)).squeeze(1)
+        last_was = (count >= 1) & (last >= begin)
+        before_last_was = (count < 2) | (before_last >= begin)
+        pair_done, pair_open = last_was & before_last_was, last_was & ~before_last_was
+        scores = scores.masked_fill(pair_done[:, None] & is_timestamp, -math.inf)
+        scores = scores.masked_fill(pair_open[:, None] & (ids < self.eos), -math.inf)
+        # The generated timestamps, and the last of them by position.
+        positions = torch.arange(width, device=tokens.device)
+        generated = (positions >= self.begin_index) & (positions < length)
+        stamps = generated & (tokens >= begin)
+        latest = torch.where(stamps, positions, -1).amax(dim=1)
+        latest_token = tokens.gather(1, latest.clamp(min=0)[:, None]).squeeze(1)
+        lowest = torch.where(pair_open, latest_token, latest_token + 1)
+        lowest = torch.where(latest >= 0, lowest, begin)
+        scores = scores.masked_fill(is_timestamp & (ids < lowest[:, None]), -math.inf)
+        initial = ids < begin
+        if self.max_initial is not None:
+            initial = initial | (ids > begin + self.max_initial)
+        scores = scores.masked_fill((length == self.begin_index) & initial, -math.inf)
+        if not self.from_logprob:
+            return scores
+        logprobs = torch.nn.functional.log_softmax(scores.float(), dim=-1)
+        timestamp = logprobs[:, begin:].logsumexp(dim=-1)
+        best_text = logprobs[:, :begin].max(dim=-1).values
+        return scores.masked_fill((timestamp > best_text)[:, None] & ~is_timestamp, -math.inf)
