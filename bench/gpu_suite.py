@@ -2,8 +2,9 @@
 
     python3 bench/gpu_suite.py [--stages STAGE,STAGE/STAGE,...] [--out DIR]
 
-Stages: tests (pytest -m gpu against the image's transformers and every wheel in `.whl/`
-(`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once), health,
+Stages: tests (pytest -m gpu on the files of GPU_TESTS against the image's transformers and every wheel in
+`.whl/` (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once;
+`--tests-k` selects some), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
 under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its name (`python -m bench
 list`; newest transformers; each writes its JSON to --out/<stage>).
@@ -86,15 +87,21 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **pinned, **more}
 
 
-def run_tests(found: dict[str, str], work: Path, workers: int) -> dict[str, Any]:
-    """pytest -m gpu for every transformers version at once; one log, junit file and recipe file each."""
+# The single-GPU test files (tests/core/test_multidevice.py runs in the multidevice stage).
+GPU_TESTS = ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/kernels")
+
+
+def run_tests(found: dict[str, str], work: Path, workers: int, select: str = "") -> dict[str, Any]:
+    """pytest -m gpu for every transformers version at once (only the tests `select` picks with -k, if given);
+    one log, junit file and recipe file each."""
     running = {}
+    files = [str(ROOT / name) for name in GPU_TESTS if (ROOT / name).exists()]
     for version, path in found.items():
         log = (work / f"pytest-{version}.log").open("w")
         command = [
             sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:benchmark",
-            "-n", str(workers), "--dist", "loadgroup",
-            "-rA", f"--junitxml={work / f'junit-{version}.xml'}", str(ROOT / "tests" / "test_gpu.py"),
+            "-n", str(workers), "--dist", "loadgroup", *(["-k", select] if select else []),
+            "-rA", f"--junitxml={work / f'junit-{version}.xml'}", *files,
         ]  # fmt: skip
         env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}.jsonl"))
         running[version] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -389,7 +396,7 @@ def tensor_parallel(found: dict[str, str], work: Path, out: Path) -> dict[str, A
 
 def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: argparse.Namespace) -> Any:
     stages: dict[str, Callable[[], Any]] = {
-        "tests": lambda: run_tests(found, work, args.workers),
+        "tests": lambda: run_tests(found, work, args.workers, args.tests_k),
         "health": lambda: health(found, work, 5, args.health_parallel, args.health_cases.split(",")),
         "probe": lambda: probe_hand_pinned(found, work, processes=5),
         "compile-cache": lambda: compile_cache_skips(found, work),
@@ -408,6 +415,7 @@ def main() -> int:
     parser.add_argument("--stages", default="tests,health,probe")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
+    parser.add_argument("--tests-k", default="", help="the tests stage runs only the tests this -k expression picks")
     parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
     parser.add_argument("--health-parallel", type=int, default=10, help="health processes at a time")
     parser.add_argument(

@@ -189,6 +189,14 @@ _ENTRIES = (
         "warm starts of cachelife.generate on the whisper-large-v3 shape (bf16, batch 4)",
         "cuda", "warm-start-whisper-large-v3-*cuda*.json",
     ),
+    Benchmark(
+        "longform", "bench.longform",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64"),
+        "Whisper long-form transcription with timestamps, 5 minutes of audio features, whisper-large-v3 shape, "
+        "bf16, at most 64 tokens per segment: transformers' long-form loop (eager, auto-compile, compiled "
+        "forward) against cachelife.generate, wall seconds and real-time factor, tokens and segments checked",
+        "cuda", "longform-whisper-large-v3-cuda-*.json",
+    ),
     # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
     Benchmark(
         "decode-cpu", "bench.decode", ("--device", "cpu", "--models", "t5-small,llama-small"),
@@ -235,6 +243,12 @@ _ENTRIES = (
         ("--device", "cpu", "--models", "t5", "--paths", "cachelife-generate", "--new-tokens", "8"),
         "warm starts of cachelife.generate alone on the CPU, tiny T5 with its generation config",
         "cpu", "warm-start-cachelife-generate-cpu-*.json",
+    ),
+    Benchmark(
+        "longform-cpu", "bench.longform",
+        ("--device", "cpu", "--tiny", "--dtype", "float32", "--minutes", "1", "--new-tokens", "16"),
+        "the long-form comparison on the CPU with the zoo's tiny Whisper (two of its windows), fp32",
+        "cpu", "longform-tiny-cpu-*.json",
     ),
 )  # fmt: skip
 
