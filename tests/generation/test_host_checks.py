@@ -78,6 +78,29 @@ def test_a_streamer_receives_what_generate_gives_it(name: str, every: int, steps
     assert (ours.ends, theirs.ends) == (1, 1)
 
 
+@pytest.mark.parametrize("every", [1, 8])
+def test_the_first_token_is_streamed_right_after_the_prefill(every: int) -> None:
+    """Time to first token: the prefill's token reaches the streamer before any decoding step runs, whatever
+    `stop_check_every` is; later tokens at each host check."""
+    built = build("llama", eos=False)
+    forwards: list[int] = []
+    built.model.register_forward_hook(lambda module, args, output: forwards.append(1))
+
+    class Counting(Recording):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forwards_at_put: list[int] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            super().put(value)
+            self.forwards_at_put.append(len(forwards))
+
+    streamer = Counting()
+    fast(built, built.inputs(1, 9, 1), max_new_tokens=NEW, streamer=streamer, stop_check_every=every)
+    assert streamer.forwards_at_put[1] == 1  # the prompt's put, then the first token's after the prefill alone
+    assert streamer.forwards_at_put[2] == 1 + every
+
+
 @pytest.mark.parametrize("eos", [True, False])
 @pytest.mark.parametrize("every", [1, 4])
 def test_custom_stopping_criteria_stop_each_row_where_generate_stops_it(eos: bool, every: int) -> None:

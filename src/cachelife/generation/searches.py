@@ -134,7 +134,9 @@ def greedy_search(
         return steps()
 
     host = HostChecks(state, choice, criteria, streamer, prompt_length)
-    run_steps(advance, host.check, max_length - prompt_length - 1, settings)
+    # The prefill's token reaches a streamer (and the host's stops) before the first step, as in `_sample`.
+    if streamer is None or host.check():
+        run_steps(advance, host.check, max_length - prompt_length - 1, settings)
     host.finish()
     length = int(state.length)
     tokens: torch.Tensor = state.tokens[:, :length].clone()
