@@ -190,6 +190,19 @@ _ENTRIES = (
         "cuda", "warm-start-whisper-large-v3-*cuda*.json",
     ),
     Benchmark(
+        "padded-llama", "bench.padded", ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16"),
+        "8 left-padded prompts (20-128 tokens) on the Llama-3.2-1B shape, bf16, greedy and 4 beams, 16 and 64 "
+        "new tokens: model.generate eager and auto-compiled against cachelife.generate at 1 and 4 steps per call",
+        "cuda", "padded-llama-3.2-1b-*cuda*.json",
+    ),
+    Benchmark(
+        "streaming", "bench.streaming", ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16"),
+        "per-token streaming latency on the Llama-3.2-1B shape, bf16, batch 1, greedy, 64 new tokens: time to "
+        "first token and inter-token p50/p99 of model.generate (eager, auto-compile) and cachelife.generate "
+        "(stop_check_every 1 and 8), streamed tokens checked equal",
+        "cuda", "streaming-llama-3.2-1b-*cuda*.json",
+    ),
+    Benchmark(
         "longform", "bench.longform",
         ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64"),
         "Whisper long-form transcription with timestamps, 5 minutes of audio features, whisper-large-v3 shape, "
@@ -249,6 +262,18 @@ _ENTRIES = (
         ("--device", "cpu", "--tiny", "--dtype", "float32", "--minutes", "1", "--new-tokens", "16"),
         "the long-form comparison on the CPU with the zoo's tiny Whisper (two of its windows), fp32",
         "cpu", "longform-tiny-cpu-*.json",
+    ),
+    Benchmark(
+        "padded-llama-cpu", "bench.padded",
+        ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--repeats", "5"),
+        "the padded-llama comparison on the CPU with the same family at toy sizes (2 layers, hidden 64), fp32",
+        "cpu", "padded-tiny-*cpu*.json",
+    ),
+    Benchmark(
+        "streaming-cpu", "bench.streaming",
+        ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--repeats", "10"),
+        "per-token streaming latency on the CPU, llama-small shape, fp32, batch 1, greedy, 64 new tokens",
+        "cpu", "streaming-llama-small-*cpu*.json",
     ),
 )  # fmt: skip
 
