@@ -159,21 +159,28 @@ def test_a_step_compiled_with_other_options_gets_its_own_graph() -> None:
 
 
 @pytest.mark.usefixtures("recorded")
-def test_sampling_in_graphs_is_reproducible_and_draws_as_without_graphs() -> None:
+@pytest.mark.parametrize("beams", [1, 2])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_sampling_in_graphs_is_reproducible_and_draws_as_without_graphs(steps: int, beams: int) -> None:
+    """The k-th token is drawn with the generator's k-th draw: a graph's first call (one step before its
+    capture, then replays) draws as its later calls, as calls without a graph and at any steps per call."""
     built = whisper()
     inputs = built.inputs(2, 9, 1)
-    settings: dict[str, Any] = {"max_new_tokens": NEW, "do_sample": True, "temperature": 1.5}
+    settings: dict[str, Any] = {"max_new_tokens": NEW, "do_sample": True, "temperature": 1.5, "num_beams": beams}
 
     def sample(seed: int = 7, **more: Any) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
-        out = cachelife.generate(built.model, fallback=False, generator=generator, **inputs, **settings, **more)
+        out = cachelife.generate(
+            built.model, fallback=False, generator=generator, **inputs, **{"steps_per_call": steps, **settings, **more}
+        )
         assert isinstance(out, torch.Tensor)
         return out
 
     graphed = sample()
     assert cachelife.runtime_of(built.model).captures == 1
     assert torch.equal(sample(), graphed)
-    assert torch.equal(sample(compile_step=False), graphed)  # no graph, the same draws at one step per call
+    assert torch.equal(sample(compile_step=False), graphed)  # no graph
+    assert torch.equal(sample(compile_step=False, steps_per_call=1), graphed)  # one step per call
     assert not torch.equal(sample(seed=8), graphed)  # the draws matter: not greedy in disguise
 
 

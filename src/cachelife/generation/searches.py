@@ -9,7 +9,7 @@ until the budget is spent or every sequence ended. Their state lives in buffers 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,11 @@ from cachelife.integration.call_arguments import cache_argument_name
 
 class _Noise:
     """Exponential noise for the steps of one call of the step from the caller's generator, one static
-    buffer `(rows, columns)` per step, leased for the call (ones, unused, for greedy and beam search)."""
+    buffer `(rows, columns)` per step, leased for the call (ones, unused, for greedy and beam search).
+
+    The k-th token of a call is drawn with the generator's k-th draw, however many steps each call of the
+    step runs: draws a call did not use (the first token's call, a graph's first call, which runs one step
+    before its capture) move to the front and are used first by the next call."""
 
     def __init__(
         self, leases: StateLeases, key: str, shape: tuple[int, int], *, steps: int, config: GenerationConfig,
@@ -57,15 +61,36 @@ class _Noise:
         self.generator = settings.generator if config.do_sample else None
         if config.do_sample and self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
+        self.unused = 0  # leading buffers that hold draws no step has used yet
         if self.generator is None:
             for buffer in self.buffers:
                 buffer.fill_(1.0)
 
     def refresh(self) -> tuple[torch.Tensor, ...]:
+        """Fresh draws in the buffers after the unused ones, before a call of the step."""
         if self.generator is not None:
-            for buffer in self.buffers:
+            for buffer in self.buffers[self.unused :]:
                 buffer.exponential_(generator=self.generator)
         return self.buffers
+
+    def used(self, steps: int) -> None:
+        """A call of the step ran `steps` steps: the draws it left move to the front."""
+        left = len(self.buffers) - steps
+        if self.generator is not None and left > 0:
+            for index in range(left):
+                self.buffers[index].copy_(self.buffers[steps + index])
+        self.unused = max(left, 0) if self.generator is not None else 0
+
+    def advancing(self, steps: Callable[[], int]) -> Callable[[], int]:
+        """`steps` (which runs steps and says how many) with the draws refreshed before and shifted after."""
+
+        def advance() -> int:
+            self.refresh()
+            ran = steps()
+            self.used(ran)
+            return ran
+
+        return advance
 
 
 def greedy_steps(
@@ -116,6 +141,7 @@ def greedy_search(
     record = score_record(config, leases, rows=rows, width=width, vocab=vocab, device=device)
     state.start(input_ids, choice.pad)
     choose_and_append(state, first_logits, noise.refresh()[0], choice, record)
+    noise.used(1)
     name = input_name(model)
 
     def arguments(index: int, steps: int, settings: Choice) -> dict[str, Any]:
@@ -129,10 +155,7 @@ def greedy_search(
         in_place=(model, state, noise.buffers, step_inputs, padding, record), read_only=choice, settings=settings,
     )  # fmt: skip
 
-    def advance() -> int:
-        noise.refresh()
-        return steps()
-
+    advance = noise.advancing(steps)
     host = HostChecks(state, choice, criteria, streamer, prompt_length)
     # The prefill's token reaches a streamer (and the host's stops) before the first step, as in `_sample`.
     if streamer is None or host.check():
@@ -247,6 +270,7 @@ def beam_search(
         leases, "beam noise", (plan.batch, beams * vocab), steps=spc, config=config, settings=settings, device=device
     )
     beam_step(state, first_logits, plan, noise.refresh()[0], record)
+    noise.used(1)
     name = input_name(model)
 
     def arguments(index: int, steps: int, settings: BeamPlan) -> dict[str, Any]:
@@ -262,11 +286,7 @@ def beam_search(
         settings=settings,
     )  # fmt: skip
 
-    def advance() -> int:
-        noise.refresh()
-        return steps()
-
-    run_steps(advance, lambda: state.running, max_length - prompt_length - 1, settings)
+    run_steps(noise.advancing(steps), lambda: state.running, max_length - prompt_length - 1, settings)
     result = beam_output(state, plan, int_field(config, "num_return_sequences"))
     if record is None:
         return result.sequences
