@@ -191,9 +191,10 @@ _ENTRIES = (
     ),
     Benchmark(
         "padded-llama", "bench.padded",
-        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--steps-per-call", "4"),
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--steps-per-call", "4",
+         "--paths", "auto,cachelife"),
         "8 left-padded prompts (20-128 tokens) on the Llama-3.2-1B shape, bf16, greedy and 4 beams, 16 and 64 "
-        "new tokens: model.generate eager and auto-compiled against cachelife.generate at 4 steps per call",
+        "new tokens: model.generate auto-compiled against cachelife.generate at 4 steps per call",
         "cuda", "padded-llama-3.2-1b-*cuda*.json",
     ),
     Benchmark(
@@ -205,10 +206,12 @@ _ENTRIES = (
     ),
     Benchmark(
         "longform", "bench.longform",
-        ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64"),
+        ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64",
+         "--paths", "auto,cachelife"),
         "Whisper long-form transcription with timestamps, 5 minutes of audio features, whisper-large-v3 shape, "
-        "bf16, at most 64 tokens per segment: transformers' long-form loop (eager, auto-compile, compiled "
-        "forward) against cachelife.generate, wall seconds and real-time factor, tokens and segments checked",
+        "bf16, at most 64 tokens per segment: transformers' auto-compiled long-form loop against "
+        "cachelife.generate, wall seconds and real-time factor, tokens and segments compared (--paths "
+        "eager,auto,forward,cachelife adds the eager loop and the compiled-forward reference)",
         "cuda", "longform-whisper-large-v3-cuda-*.json",
     ),
     # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
