@@ -18,7 +18,7 @@ from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
 from cachelife.integration.runtime import Released, existing_runtime
-from cachelife.validate import check_int
+from cachelife.validate import check_bool, check_int
 
 
 def enable(
@@ -27,6 +27,7 @@ def enable(
     on_unpinned: OnUnpinned = "pin",
     pool_bytes: int = DEFAULT_BUDGET_BYTES,
     encoder_buckets: Sequence[int] | None = None,
+    fuse_projections: bool = False,
 ) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
@@ -38,14 +39,19 @@ def enable(
     (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.integration.buckets`), e.g.
     `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that fits,
     so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
-    Fails at once, before anything is patched, if an argument is invalid (`InvalidArgumentError`), the model
-    is no transformers generation model, its shapes cannot be inferred, or the buckets are invalid
-    (`InvalidBucketsError`) or unsafe for it (`UnsupportedGenerationError`).
+    `fuse_projections=True` computes each layer's self-attention query, key and value, and a gated MLP's gate
+    and up projections, as one matrix product (`cachelife.kernels.fusion`: the weights are concatenated once,
+    here, and the parameters become views of them, so memory stays as it was but for zeros standing in for a
+    missing bias); `disable`, or a later `enable` without it, restores the projections exactly. Changing it
+    releases the model's runtime (`release`). Fails at once, before anything is patched, if an argument is
+    invalid (`InvalidArgumentError`), the model is no transformers generation model, its shapes cannot be
+    inferred, or the buckets are invalid (`InvalidBucketsError`) or unsafe for it (`UnsupportedGenerationError`).
     """
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
         raise InvalidArgumentError(msg)
     check_int("pool_bytes", pool_bytes, minimum=0, note="(0 turns the pool off)")
+    check_bool("fuse_projections", fuse_projections)
     buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     existing = guard_of(model)
     if existing is not None:
@@ -54,7 +60,9 @@ def enable(
         existing.on_unpinned = on_unpinned
         existing.pool_bytes = pool_bytes
         existing.encoder_buckets = buckets
+        existing.fuse_projections = fuse_projections
         existing.pool(model)
+        existing.apply_fusion(model)
         return model
     if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
         msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
@@ -62,7 +70,10 @@ def enable(
     model_cache_shapes(model)  # fail now, not in the middle of generate
     if buckets is not None:
         check_bucketable(model)
-    guard = DecodingGuard(on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets)
+    guard = DecodingGuard(
+        on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections
+    )
+    guard.apply_fusion(model)
     guard.install(model)
     guard.pool(model)
     return model

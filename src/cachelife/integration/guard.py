@@ -48,6 +48,8 @@ from cachelife.integration.compiled import is_compiled
 from cachelife.integration.replaced import ReplacedTensors
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.integration.skips import SkipReporter
+from cachelife.kernels import fusion
+from cachelife.kernels.fusion import FusedProjections
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,9 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 @define(eq=False)
 class DecodingGuard:
-    """What `enable` installs on one model: two forward hooks and three wrapped methods. It holds the model's
-    settings; the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
+    """What `enable` installs on one model: two forward hooks and three wrapped methods, and with
+    `fuse_projections` the model's fused projections (`cachelife.kernels.fusion`). It holds the model's settings;
+    the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
 
     A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
     a fresh runtime); pickling an enabled model raises `EnabledModelPickleError`."""
@@ -69,6 +72,8 @@ class DecodingGuard:
     on_unpinned: OnUnpinned
     pool_bytes: int
     encoder_buckets: Buckets | None = None
+    fuse_projections: bool = False
+    _fusion: FusedProjections | None = field(default=None, alias="fusion")
     _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
     _replaced: ReplacedTensors = field(factory=ReplacedTensors, alias="replaced")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
@@ -89,7 +94,31 @@ class DecodingGuard:
         ]
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
+    def apply_fusion(self, model: PreTrainedModel) -> None:
+        """Fuse the model's projections, or restore them, as `fuse_projections` says. A change releases the
+        model's runtime: its captured graphs and compiled steps read the weights where they were."""
+        if self.fuse_projections == (self._fusion is not None):
+            return
+        runtime = runtime_of(model)
+        with runtime.lock:
+            if self._fusion is None:
+                self._fusion = fusion.fuse_projections(model)
+                if not self._fusion.groups:
+                    logger.warning(
+                        "fuse_projections=True: no projections of %s can be fused (%d group(s) left as they are; "
+                        "DEBUG logging of cachelife.kernels.fusion says why)",
+                        type(model).__name__,
+                        len(self._fusion.skipped),
+                    )
+            else:
+                self._fusion.restore()
+                self._fusion = None
+            runtime.release()
+
     def uninstall(self, model: PreTrainedModel) -> None:
+        if self._fusion is not None:
+            self._fusion.restore()
+            self._fusion = None
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -103,8 +132,9 @@ class DecodingGuard:
     def __deepcopy__(self, memo: dict[int, Any]) -> DecodingGuard:
         # `copy.deepcopy(model)` reaches the guard through the model's __dict__, its hooks and its wrapped
         # methods; every one of them gets this twin, whose hooks and saved attributes are the copy's own.
-        twin = DecodingGuard(self.on_unpinned, self.pool_bytes, self.encoder_buckets)
+        twin = DecodingGuard(self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections)
         memo[id(self)] = twin
+        twin._fusion = copy.deepcopy(self._fusion, memo)
         twin._hooks = copy.deepcopy(self._hooks, memo)
         twin._saved = copy.deepcopy(self._saved, memo)
         return twin
