@@ -1,0 +1,438 @@
+"""Attention for one query over a static cache, split over the cached positions (flash-decoding).
+
+At one query a step's attention has too little work per (batch, head) to fill a GPU: cross-attention over
+1500 encoder positions with 20 heads gives 20 programs. The positions are cut into splits instead: phase 1
+runs one program per (batch, key/value head, split) over every query head of that key/value head (so
+grouped-query attention reads its keys once) and keeps the split's running maximum, sum and unnormalised
+output; phase 2 combines the splits of each (batch, head). Tiles whose positions the mask excludes entirely
+are skipped, so that an empty part of a static cache costs no reads. Scores, sums and outputs accumulate in
+float32 for bfloat16, float16 and float32 inputs.
+
+`decode_attention` runs the custom op `cachelife::decode_attention`: Triton kernels on CUDA tensors, and on
+CPU tensors under `TRITON_INTERPRET=1`; plain torch ops everywhere else. Its fake implementation lets dynamo
+trace it with `fullgraph=True`; the number of splits depends on static shapes only, so the op captures in CUDA
+graphs. `decode_attention_forward` is a transformers attention function around it (transformers' SDPA for
+more than one query), and `use_decode_attention(model)` switches a model to it until `restore()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import torch
+from attrs import frozen
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from cachelife.errors import CacheShapeError, UnsupportedGenerationError
+from cachelife.validate import check_int
+
+triton: Any
+tl: Any
+try:
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
+except ImportError:
+    triton = tl = None
+
+# The name under which transformers' attention and mask interfaces know `decode_attention_forward`.
+ATTENTION: Final = "cachelife_decode"
+DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
+# Most splits per (batch, key/value head): phase 2 combines them in one tile.
+MAX_SPLITS: Final = 64
+# Elements of phase 1's largest tile (query heads x positions x head size), which sets the positions per tile.
+_TILE_ELEMENTS: Final = 8192
+_PROGRAMS_PER_SM: Final = 2
+# Launch options of both kernels; fused multiply-adds stated, since Triton 3.10 changes its default.
+_LAUNCH: Final = {"num_warps": 4, "enable_fp_fusion": True}
+# The split kernel's MASK: none, bool or added to the scores (it compares numbers: Triton kernels read no
+# Python globals).
+_NO_MASK: Final = 0
+_BOOL_MASK: Final = 1
+_ADDED_MASK: Final = 2
+
+# Kernel parameter annotations. Triton takes a parameter annotated `constexpr` (by that name) as a compile-time
+# constant, and resolves every annotation in a kernel's module when it compiles, where it accepts only Triton's
+# own objects; mypy reads them as what the host passes.
+if TYPE_CHECKING:
+    constexpr: TypeAlias = int
+    Pointer: TypeAlias = Any
+    Scalar: TypeAlias = Any
+else:
+    constexpr = int if tl is None else tl.constexpr
+    Pointer = Scalar = object if tl is None else tl.tensor
+
+
+def split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
+    query: Pointer, key: Pointer, value: Pointer, mask: Pointer, out: Pointer,
+    part_acc: Pointer, part_max: Pointer, part_sum: Pointer,
+    scale: Scalar, heads: Scalar, positions: Scalar, split_size: Scalar, splits: Scalar,
+    q_sb: Scalar, q_sh: Scalar, q_sd: Scalar,
+    k_sb: Scalar, k_sh: Scalar, k_sp: Scalar, k_sd: Scalar,
+    v_sb: Scalar, v_sh: Scalar, v_sp: Scalar, v_sd: Scalar,
+    m_sb: Scalar, m_sh: Scalar, m_sp: Scalar,
+    o_sb: Scalar, o_sh: Scalar, o_sd: Scalar,
+    GROUP: constexpr, KEY_DIM: constexpr, VALUE_DIM: constexpr,
+    BLOCK_G: constexpr, BLOCK_N: constexpr, BLOCK_DK: constexpr, BLOCK_DV: constexpr,
+    MASK: constexpr, FINAL: constexpr,
+) -> None:  # fmt: skip
+    """Phase 1, in Triton's language: one (batch, key/value head, split). With one split (FINAL) it writes the
+    output itself. MASK is 0 (none), 1 (bool, nonzero attends) or 2 (added to the scores)."""
+    kv_heads = heads // GROUP
+    batch = (tl.program_id(0) // kv_heads).to(tl.int64)
+    kv_head = (tl.program_id(0) % kv_heads).to(tl.int64)
+    split = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + g
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q_in = (g < GROUP)[:, None] & (dk < KEY_DIM)[None, :]
+    q = tl.load(query + batch * q_sb + head[:, None] * q_sh + dk[None, :] * q_sd, mask=q_in, other=0.0).to(tl.float32)
+    keys = key + batch * k_sb + kv_head * k_sh
+    values = value + batch * v_sb + kv_head * v_sh
+    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for offset in range(0, split_size, BLOCK_N):
+        n = split * split_size + offset + tl.arange(0, BLOCK_N)
+        n_in = n < positions
+        live = (g < GROUP)[:, None] & n_in[None, :]
+        if MASK != 0:
+            bias = tl.load(mask + batch * m_sb + head[:, None] * m_sh + n[None, :] * m_sp, mask=live, other=0)
+            if MASK == 1:
+                live = live & (bias != 0)
+            else:
+                bias = bias.to(tl.float32)
+                live = live & (bias > float("-inf"))
+        if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+            k_in = n_in[:, None] & (dk < KEY_DIM)[None, :]
+            k = tl.load(keys + n[:, None] * k_sp + dk[None, :] * k_sd, mask=k_in, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            if MASK == 2:
+                scores += bias
+            scores = tl.where(live, scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            # Rows with nothing live yet keep a finite shift, so that no inf - inf appears.
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+            rescale = tl.exp(best - shift)
+            weights = tl.exp(scores - shift[:, None])
+            v_in = n_in[:, None] & (dv < VALUE_DIM)[None, :]
+            v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+            total = total * rescale + tl.sum(weights, axis=1)
+            best = new_best
+    out_in = (g < GROUP)[:, None] & (dv < VALUE_DIM)[None, :]
+    if FINAL:
+        # A row that the mask excludes entirely has total 0 and gives zeros.
+        result = acc / tl.where(total > 0, total, 1.0)[:, None]
+        target = out + batch * o_sb + head[:, None] * o_sh + dv[None, :] * o_sd
+        tl.store(target, result.to(out.dtype.element_ty), mask=out_in)
+    else:
+        part = (batch * heads + head) * splits + split
+        tl.store(part_max + part, best, mask=g < GROUP)
+        tl.store(part_sum + part, total, mask=g < GROUP)
+        tl.store(part_acc + part[:, None] * VALUE_DIM + dv[None, :], acc, mask=out_in)
+
+
+def combine_kernel(  # noqa: PLR0917 (a Triton kernel, as above)
+    part_acc: Pointer, part_max: Pointer, part_sum: Pointer, out: Pointer,
+    heads: Scalar, splits: Scalar, o_sb: Scalar, o_sh: Scalar, o_sd: Scalar,
+    VALUE_DIM: constexpr, BLOCK_S: constexpr, BLOCK_DV: constexpr,
+) -> None:  # fmt: skip
+    """Phase 2, in Triton's language: one (batch, head); weighs each split by exp(its maximum - the overall maximum)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    s_in = s < splits
+    best = tl.load(part_max + row * splits + s, mask=s_in, other=float("-inf"))
+    top = tl.max(best, axis=0)
+    weights = tl.exp(best - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(weights * tl.load(part_sum + row * splits + s, mask=s_in, other=0.0), axis=0)
+    acc_in = s_in[:, None] & (dv < VALUE_DIM)[None, :]
+    acc = tl.load(part_acc + (row * splits + s)[:, None] * VALUE_DIM + dv[None, :], mask=acc_in, other=0.0)
+    result = tl.sum(weights[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    target = out + (row // heads) * o_sb + (row % heads) * o_sh + dv * o_sd
+    tl.store(target, result.to(out.dtype.element_ty), mask=dv < VALUE_DIM)
+
+
+@functools.cache
+def _jitted() -> tuple[Any, Any]:
+    """The two kernels, jitted on first use (after the process set TRITON_INTERPRET, if it does)."""
+    return triton.jit(split_kernel), triton.jit(combine_kernel)
+
+
+@frozen
+class SplitPlan:
+    """How one call is cut: tiles of `block_n` positions; `splits` programs per (batch, key/value head), each
+    over `split_size` positions (whole tiles; the last split may reach past the cache); block sizes for the
+    query heads of a group and the key and value head sizes (powers of two)."""
+
+    block_g: int
+    block_n: int
+    block_dk: int
+    block_dv: int
+    splits: int
+    split_size: int
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def plan_splits(
+    *, batch: int, kv_heads: int, group: int, positions: int, key_dim: int, value_dim: int, programs: int,
+    splits: int | None = None,
+) -> SplitPlan:  # fmt: skip
+    """The plan for these static shapes: as many splits as bring the programs of phase 1 to `programs` (or
+    `splits` if given), at most one per tile and `MAX_SPLITS`, then as few as keep the same tiles per split."""
+    block_g = _power_of_two_at_least(group)
+    block_dk, block_dv = _power_of_two_at_least(key_dim), _power_of_two_at_least(value_dim)
+    fit = _TILE_ELEMENTS // (block_g * max(block_dk, block_dv))
+    block_n = min(max(1 << max(fit, 1).bit_length() - 1, 16), 128)
+    tiles = math.ceil(positions / block_n)
+    wanted = splits if splits is not None else math.ceil(programs / (batch * kv_heads))
+    tiles_per_split = math.ceil(tiles / min(max(wanted, 1), tiles, MAX_SPLITS))
+    count = math.ceil(tiles / tiles_per_split)
+    return SplitPlan(block_g, block_n, block_dk, block_dv, count, tiles_per_split * block_n)
+
+
+def _input_problem(  # noqa: PLR0911 (one message per kind of problem)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+) -> str:
+    """What keeps these inputs from the kernel ("" when nothing does)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[2] != 1:
+        return f"query (batch, heads, 1, head_dim) and 4-D key and value, got {_shapes(query, key, value)}"
+    batch, heads, _, key_dim = query.shape
+    kv_heads, positions = key.shape[1], key.shape[2]
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3] or key.shape[3] != key_dim:
+        shapes = _shapes(query, key, value)
+        return f"key and value (batch, kv_heads, positions, _) of the query's batch and head_dim, got {shapes}"
+    if kv_heads == 0 or heads % kv_heads != 0 or positions == 0:
+        return f"heads a multiple of kv_heads and at least one position, got {_shapes(query, key, value)}"
+    if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"query, key and value all of one dtype of {DTYPES}, got {query.dtype}, {key.dtype}, {value.dtype}"
+    if not query.device == key.device == value.device:
+        return f"query, key and value on one device, got {query.device}, {key.device}, {value.device}"
+    if mask is None:
+        return ""
+    if mask.dim() != 4 or not (mask.dtype == torch.bool or mask.dtype.is_floating_point) or mask.device != query.device:
+        return f"a 4-D bool or float mask on {query.device}, got {mask.dtype} {tuple(mask.shape)} on {mask.device}"
+    if any(size not in (1, full) for size, full in zip(mask.shape, (batch, heads, 1, positions), strict=True)):
+        return f"a mask broadcastable to {(batch, heads, 1, positions)}, got {tuple(mask.shape)}"
+    return ""
+
+
+def _shapes(*tensors: torch.Tensor) -> str:
+    return ", ".join(str(tuple(tensor.shape)) for tensor in tensors)
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
+    if problem := _input_problem(query, key, value, mask):
+        msg = f"decode_attention expects {problem}"
+        raise CacheShapeError(msg)
+
+
+def reference_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
+    *, scaling: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The op in plain torch ops (its fallback without Triton): float32 scores, softmax and sums, zeros for a
+    query that the mask excludes entirely."""
+    _check_inputs(query, key, value, mask)
+    batch, heads, _, key_dim = query.shape
+    kv_heads, positions = key.shape[1], key.shape[2]
+    scale = key_dim**-0.5 if scaling is None else scaling
+    grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, key_dim)
+    scores = torch.einsum("bkgd,bkpd->bkgp", grouped, key.float()).reshape(batch, heads, 1, positions) * scale
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
+    best = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - best.masked_fill(best == float("-inf"), 0.0))
+    total = weights.sum(dim=-1, keepdim=True)
+    grouped_weights = (weights / total.masked_fill(total == 0, 1.0)).reshape(batch, kv_heads, -1, positions)
+    output = torch.matmul(grouped_weights, value.float()).reshape(batch, heads, 1, value.shape[-1])
+    return output.to(query.dtype)
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the op takes the Triton kernels on tensors of `device`: Triton installed, and the device CUDA,
+    or the CPU with `TRITON_INTERPRET=1` (Triton's interpreter)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and interpreting))
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """How many programs phase 1 aims at on `device`: a few per streaming multiprocessor on CUDA; one elsewhere
+    (the interpreter runs programs one after another)."""
+    if device.type != "cuda":
+        return 1
+    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _triton_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scale: float, splits: int
+) -> torch.Tensor:
+    batch, heads, _, key_dim = query.shape
+    kv_heads, positions, value_dim = key.shape[1], key.shape[2], value.shape[3]
+    out = torch.empty((batch, heads, 1, value_dim), dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    plan = plan_splits(
+        batch=batch, kv_heads=kv_heads, group=heads // kv_heads, positions=positions, key_dim=key_dim,
+        value_dim=value_dim, programs=_programs(query.device), splits=splits or None,
+    )  # fmt: skip
+    if mask is None:
+        mask_kind, mask_arg, mask_strides = _NO_MASK, query, (0, 0, 0)
+    else:
+        full = mask.expand(batch, heads, 1, positions)
+        mask_kind = _BOOL_MASK if mask.dtype == torch.bool else _ADDED_MASK
+        mask_arg = full.view(torch.uint8) if mask.dtype == torch.bool else full
+        mask_strides = (full.stride(0), full.stride(1), full.stride(3))
+    final = plan.splits == 1
+    rows = (batch, heads, plan.splits)
+    part_acc = out if final else torch.empty((*rows, value_dim), dtype=torch.float32, device=query.device)
+    part_max = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
+    part_sum = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
+    out_strides = (out.stride(0), out.stride(1), out.stride(3))
+    split, combine = _jitted()
+    split[(batch * kv_heads, plan.splits)](
+        query, key, value, mask_arg, out, part_acc, part_max, part_sum,
+        scale, heads, positions, plan.split_size, plan.splits,
+        query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), *mask_strides, *out_strides,
+        GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
+        BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final, **_LAUNCH,
+    )  # fmt: skip
+    if not final:
+        combine[(batch * heads,)](
+            part_acc, part_max, part_sum, out, heads, plan.splits, *out_strides,
+            VALUE_DIM=value_dim, BLOCK_S=_power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **_LAUNCH,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("cachelife::decode_attention", mutates_args=())
+def _decode_attention_op(  # noqa: PLR0917 (an op's schema is positional)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float, splits: int
+) -> torch.Tensor:
+    """`splits` 0 lets the plan choose."""
+    if triton_runs_on(query.device):
+        return _triton_decode_attention(query, key, value, mask, scale=scale, splits=splits)
+    return reference_decode_attention(query, key, value, mask, scaling=scale)
+
+
+@_decode_attention_op.register_fake
+def _(  # noqa: PLR0917 (the op's schema)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float, splits: int
+) -> torch.Tensor:
+    _check_inputs(query, key, value, mask)
+    return query.new_empty((query.shape[0], query.shape[1], 1, value.shape[3]))
+
+
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
+    *, scaling: float | None = None, splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of one query per (batch, head) over `positions` keys, as (batch, heads, 1, value_dim).
+
+    `query` is (batch, heads, 1, head_dim), `key` and `value` (batch, kv_heads, positions, _), heads a
+    multiple of kv_heads (grouped-query attention); `mask` (bool: True attends; float: added to the scores)
+    broadcasts to (batch, heads, 1, positions). `scaling` defaults to head_dim ** -0.5; `splits` (at most one
+    per tile of positions, and `MAX_SPLITS`) overrides the plan's choice.
+    """
+    _check_inputs(query, key, value, mask)
+    if splits is not None:
+        check_int("splits", splits)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    output: torch.Tensor = _decode_attention_op(query, key, value, mask, scale, splits or 0)
+    return output
+
+
+def decode_attention_forward(  # noqa: PLR0917 (transformers' attention-function signature)
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: `decode_attention` for one query, transformers' SDPA otherwise (more
+    queries, dropout, soft-capping, attention sinks, a query that needs gradients (the op has none), or inputs
+    the kernel does not take). Returns the output as (batch, q_len, heads, head_dim) and no weights, as SDPA
+    does. T5's `position_bias` joins the mask."""
+    declined = dropout != 0.0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+    declined = declined or (torch.is_grad_enabled() and query.requires_grad)
+    tensor_mask = attention_mask is None or isinstance(attention_mask, torch.Tensor)  # not a flex BlockMask
+    if query.shape[2] == 1 and tensor_mask and not declined:
+        mask = attention_mask if position_bias is None else _biased_mask(position_bias, attention_mask)
+        if not _input_problem(query, key, value, mask):
+            return decode_attention(query, key, value, mask, scaling=scaling).transpose(1, 2), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+        position_bias=position_bias, **kwargs,
+    )  # fmt: skip
+
+
+def _biased_mask(position_bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """An additive mask: the bias where the mask attends, -inf where it does not."""
+    if mask is None:
+        return position_bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask, position_bias, float("-inf"))
+    return position_bias + mask
+
+
+def register_decode_attention() -> str:
+    """Register `decode_attention_forward` with transformers under `ATTENTION`, with SDPA's mask function (a bool
+    mask, or none where SDPA needs none); returns the name. Calling it again changes nothing."""
+    AttentionInterface.register(ATTENTION, decode_attention_forward)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+@frozen
+class AttentionSwitch:
+    """The attention implementation each config of a model had before `use_decode_attention`."""
+
+    previous: tuple[tuple[PreTrainedConfig, str | None], ...]
+
+    def restore(self) -> None:
+        """Give each config its previous implementation back."""
+        for config, implementation in self.previous:
+            config._attn_implementation_internal = implementation
+
+
+def use_decode_attention(model: PreTrainedModel) -> AttentionSwitch:
+    """Switch every attention layer of `model` to `decode_attention_forward`; `restore()` on the result undoes it.
+
+    Each config the model's modules hold is set, not only `model.config`: transformers 5.17's
+    `set_attn_implementation` leaves the configs of T5's encoder and decoder stacks (copies of the model's) as
+    they were. A model whose attention does not go through transformers' attention interface is refused, and
+    nothing changes. Switch before compiling: a compiled forward would compile again.
+    """
+    refused = sorted({type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel)
+                      and not type(m)._can_set_attn_implementation()})  # fmt: skip
+    if refused:
+        msg = (
+            f"{', '.join(refused)} computes attention outside transformers' attention interface, so "
+            f"{ATTENTION!r} would not be used; keep the model's own attention for it"
+        )
+        raise UnsupportedGenerationError(msg)
+    register_decode_attention()
+    configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PreTrainedConfig)}
+    switch = AttentionSwitch(tuple((c, c._attn_implementation_internal) for c in configs.values()))
+    for config in configs.values():
+        config._attn_implementation_internal = ATTENTION
+    return switch
