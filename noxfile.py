@@ -1,7 +1,8 @@
 """nox sessions. `nox` runs the default set:
 
 - `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers,
-  and on the newest the slow tests too (compiled models, long loops), in the same run and environment;
+  and on the newest the slow tests too (compiled models, long loops) and cachelife's Triton kernels in
+  Triton's CPU interpreter (`TRITON_INTERPRET=1`), in the same run and environment;
 - `typecheck` and `lint`;
 - `docs`: the documentation site, built with warnings as errors.
 
@@ -34,6 +35,8 @@ TORCH_INDEX = os.environ.get("CACHELIFE_TORCH_INDEX", "")
 # The tested transformers range: the oldest supported release and the newest one.
 TRANSFORMERS = ["5.17.0", "5.24.0"]
 FAST = "not slow and not gpu"
+# Triton for the kernel tests on the CPU: no torch requirement of its own, so pip keeps the installed torch.
+TRITON = "triton==3.9.0"
 
 
 def install(session: nox.Session, transformers: str = TRANSFORMERS[-1], extra: str = "dev") -> None:
@@ -58,8 +61,14 @@ def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | N
 def tests(session: nox.Session, transformers: str) -> None:
     """The fast tests against one transformers release; against the newest, the slow tests too."""
     install(session, transformers)
+    if transformers != TRANSFORMERS[-1]:
+        pytest(session, FAST)  # without Triton: cachelife's kernels take their plain-torch paths
+        return
     # One environment and one pytest run for the slow tests: a separate session would install torch again.
-    pytest(session, "not gpu" if transformers == TRANSFORMERS[-1] else FAST)
+    # Triton in its interpreter runs cachelife's kernels on the CPU (tests/kernels); CUDA builds of torch bring
+    # their own Triton.
+    session.install(TRITON)
+    pytest(session, "not gpu", env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(default=False)
