@@ -77,7 +77,7 @@ def generate(
     runtime = runtime_of(model)
     with runtime.lock, collecting_after_compilation():
         config = merged_config(model, kwargs)
-        feature = unsupported_argument(model, kwargs) or unsupported_config(config)
+        feature = unsupported_argument(kwargs) or unsupported_config(config)
         if feature is not None:
             fall_back(feature, fallback, model)
             return model.generate(**kwargs)

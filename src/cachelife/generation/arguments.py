@@ -62,7 +62,7 @@ SUPPORTED_MODES = (
 )  # fmt: skip
 
 
-def unsupported_argument(model: PreTrainedModel, kwargs: Mapping[str, Any]) -> str | None:
+def unsupported_argument(kwargs: Mapping[str, Any]) -> str | None:
     """The first argument (or input property) of this call that asks for an unimplemented feature."""
     for name in FALLBACK_ARGUMENTS:
         value = kwargs.get(name)
