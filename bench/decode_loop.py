@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 import cachelife
-from bench.generate import as_tokens, build, settings_for
+from bench.generate import build, settings_for
 from bench.results_file import bench_parser, results_file
-from bench.timing import kernels_per_step, timed
+from bench.timing import as_tokens, kernels_per_step, timed
 from cachelife.tools.recipe import pick_device
 
 BATCH, LENGTH, SHORT, LONG, REPEATS = 4, 48, 64, 192, 3

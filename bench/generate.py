@@ -40,11 +40,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import CompileConfig
 
 import cachelife
+from bench.decode import auto_compile
 from bench.results_file import bench_parser, results_file
-from bench.timing import kernels_per_step, timed
+from bench.timing import as_tokens, kernels_per_step, timed
 from cachelife.generation import steps as loop_steps
 from cachelife.generation.steps import CudaGraphs
 from cachelife.tools import zoo
@@ -73,13 +73,6 @@ def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
     return settings
 
 
-def as_tokens(output: object) -> torch.Tensor:
-    if not isinstance(output, torch.Tensor):
-        msg = f"expected a token tensor, got {type(output).__name__}"
-        raise TypeError(msg)
-    return output
-
-
 def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: int) -> float:
     first = min(timed(device, lambda: run(short))[0] for _ in range(repeats))
     second = min(timed(device, lambda: run(long))[0] for _ in range(repeats))
@@ -103,9 +96,7 @@ def paths(
         runs["eager"] = (lambda n: as_tokens(eager.generate(**inputs, **settings_for(name, args.beams, n))), "eager")
     if "auto" in wanted:
         auto = build(name, args.tiny, device, dtype).model
-        config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
-        config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
-        extra: dict[str, Any] = {"cache_implementation": "static", "compile_config": config}
+        extra = auto_compile(device)
         runs["auto"] = (
             lambda n: as_tokens(auto.generate(**inputs, **settings_for(name, args.beams, n), **extra)),
             "auto",

@@ -44,9 +44,9 @@ from transformers.modeling_outputs import BaseModelOutput
 import cachelife
 from bench.child import run_child
 from bench.decode_loop import first_divergence
-from bench.generate import as_tokens, build, settings_for
+from bench.generate import build, settings_for
 from bench.results_file import bench_parser, results_file
-from bench.timing import kernels_per_step, timed
+from bench.timing import as_tokens, kernels_per_step, timed
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compiled import InductorOptions
 from cachelife.tools import zoo

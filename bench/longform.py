@@ -27,9 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import CompileConfig
 
 import cachelife
+from bench.decode import auto_compile
 from bench.results_file import bench_parser, results_file
 from bench.timing import timed
 from cachelife.tools import zoo
@@ -89,9 +89,7 @@ def paths(args: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Run]
         runs["eager"] = lambda: summary(eager.generate(**inputs, **call))
     if "auto" in wanted:
         auto = build(args.model, args.tiny, device, dtype).model
-        config = CompileConfig(fullgraph=True, mode=mode)
-        config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
-        static: dict[str, Any] = {"cache_implementation": "static", "compile_config": config}
+        static = auto_compile(device)
         runs["auto"] = lambda: summary(auto.generate(**inputs, **call, **static))
     if "forward" in wanted:
         forward = cachelife.enable(build(args.model, args.tiny, device, dtype).model)

@@ -46,7 +46,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 import cachelife
 from bench.decode import auto_compile
 from bench.results_file import bench_parser, results_file
-from bench.timing import kernels_per_step, marginal_runs, timed
+from bench.timing import as_tokens, kernels_per_step, marginal_runs, timed
 from cachelife.integration.runtime import existing_runtime
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
@@ -130,13 +130,6 @@ def search(beams: int, tokens: int) -> dict[str, Any]:
     if beams > 1:
         settings.update(num_beams=beams, num_return_sequences=1)
     return settings
-
-
-def as_tokens(output: object) -> torch.Tensor:
-    if not isinstance(output, torch.Tensor):
-        msg = f"expected a token tensor, got {type(output).__name__}"
-        raise TypeError(msg)
-    return output
 
 
 class _Collect(logging.Handler):

@@ -39,9 +39,9 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import PreTrainedModel
 
 import cachelife
-from bench.generate import as_tokens, build, settings_for
+from bench.generate import build, settings_for
 from bench.results_file import bench_parser, results_file
-from bench.timing import timed
+from bench.timing import as_tokens, timed
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.tools.recipe import pick_device
 

@@ -45,9 +45,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from bench.decode import auto_compile
-from bench.padded import MODEL_NAMES, as_tokens, build_model, cachelife_warnings, padded_prompts, release
+from bench.padded import MODEL_NAMES, build_model, cachelife_warnings, padded_prompts, release
 from bench.results_file import bench_parser, results_file
-from bench.timing import greedy, timed
+from bench.timing import as_tokens, greedy, timed
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 

@@ -16,6 +16,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def as_tokens(output: object) -> torch.Tensor:
+    """A `generate` output narrowed to the token tensor it returns by default."""
+    if not isinstance(output, torch.Tensor):
+        msg = f"expected a token tensor, got {type(output).__name__}"
+        raise TypeError(msg)
+    return output
+
+
 def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
     """Seconds `call` takes, kernels included, and what it returned. Python's garbage collector runs before
     the call and not during it, so that a collection falling into one of the two calls a marginal figure

@@ -37,9 +37,9 @@ from transformers import PreTrainedModel
 
 import cachelife
 from bench.child import run_child
-from bench.generate import as_tokens, build, settings_for
+from bench.generate import build, settings_for
 from bench.results_file import bench_parser, results_file
-from bench.timing import timed
+from bench.timing import as_tokens, timed
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
