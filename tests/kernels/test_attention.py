@@ -29,16 +29,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import cachelife
 from cachelife.errors import CacheShapeError, InvalidArgumentError, UnsupportedGenerationError
 from cachelife.kernels.attention import (
-    ATTENTION,
     MAX_SPLITS,
     combine_kernel,
     decode_attention,
-    decode_attention_forward,
     plan_splits,
     reference_decode_attention,
-    register_decode_attention,
     split_kernel,
     triton_runs_on,
+)
+from cachelife.kernels.attention_implementation import (
+    ATTENTION,
+    decode_attention_forward,
+    register_decode_attention,
     use_decode_attention,
 )
 from cachelife.tools import zoo

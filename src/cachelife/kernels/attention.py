@@ -11,8 +11,7 @@ float32 for bfloat16, float16 and float32 inputs.
 `decode_attention` runs the custom op `cachelife::decode_attention`: Triton kernels on CUDA tensors, and on
 CPU tensors under `TRITON_INTERPRET=1`; plain torch ops everywhere else. Its fake implementation lets dynamo
 trace it with `fullgraph=True`; the number of splits depends on static shapes only, so the op captures in CUDA
-graphs. `decode_attention_forward` is a transformers attention function around it (transformers' SDPA for
-more than one query), and `use_decode_attention(model)` switches a model to it until `restore()`.
+graphs. `cachelife.kernels.attention_implementation` makes it a transformers attention implementation.
 """
 
 from __future__ import annotations
@@ -25,12 +24,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import torch
 from attrs import frozen
-from transformers import PreTrainedConfig, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
-from cachelife.errors import CacheShapeError, UnsupportedGenerationError
+from cachelife.errors import CacheShapeError
 from cachelife.validate import check_int
 
 triton: Any
@@ -42,7 +37,6 @@ except ImportError:
     triton = tl = None
 
 # The name under which transformers' attention and mask interfaces know `decode_attention_forward`.
-ATTENTION: Final = "cachelife_decode"
 DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
 # Most splits per (batch, key/value head): phase 2 combines them in one tile.
 MAX_SPLITS: Final = 64
@@ -202,7 +196,7 @@ def plan_splits(
     return SplitPlan(block_g, block_n, block_dk, block_dv, count, tiles_per_split * block_n)
 
 
-def _input_problem(  # noqa: PLR0911 (one message per kind of problem)
+def input_problem(  # noqa: PLR0911 (one message per kind of problem)
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
 ) -> str:
     """What keeps these inputs from the kernel ("" when nothing does)."""
@@ -233,7 +227,7 @@ def _shapes(*tensors: torch.Tensor) -> str:
 
 
 def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
-    if problem := _input_problem(query, key, value, mask):
+    if problem := input_problem(query, key, value, mask):
         msg = f"decode_attention expects {problem}"
         raise CacheShapeError(msg)
 
@@ -354,85 +348,3 @@ def decode_attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     output: torch.Tensor = _decode_attention_op(query, key, value, mask, scale, splits or 0)
     return output
-
-
-def decode_attention_forward(  # noqa: PLR0917 (transformers' attention-function signature)
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    position_bias: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: `decode_attention` for one query, transformers' SDPA otherwise (more
-    queries, dropout, soft-capping, attention sinks, a query that needs gradients (the op has none), or inputs
-    the kernel does not take). Returns the output as (batch, q_len, heads, head_dim) and no weights, as SDPA
-    does. T5's `position_bias` joins the mask."""
-    declined = dropout != 0.0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
-    declined = declined or (torch.is_grad_enabled() and query.requires_grad)
-    tensor_mask = attention_mask is None or isinstance(attention_mask, torch.Tensor)  # not a flex BlockMask
-    if query.shape[2] == 1 and tensor_mask and not declined:
-        mask = attention_mask if position_bias is None else _biased_mask(position_bias, attention_mask)
-        if not _input_problem(query, key, value, mask):
-            return decode_attention(query, key, value, mask, scaling=scaling).transpose(1, 2), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-        position_bias=position_bias, **kwargs,
-    )  # fmt: skip
-
-
-def _biased_mask(position_bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """An additive mask: the bias where the mask attends, -inf where it does not."""
-    if mask is None:
-        return position_bias
-    if mask.dtype == torch.bool:
-        return torch.where(mask, position_bias, float("-inf"))
-    return position_bias + mask
-
-
-def register_decode_attention() -> str:
-    """Register `decode_attention_forward` with transformers under `ATTENTION`, with SDPA's mask function (a bool
-    mask, or none where SDPA needs none); returns the name. Calling it again changes nothing."""
-    AttentionInterface.register(ATTENTION, decode_attention_forward)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    return ATTENTION
-
-
-@frozen
-class AttentionSwitch:
-    """The attention implementation each config of a model had before `use_decode_attention`."""
-
-    previous: tuple[tuple[PreTrainedConfig, str | None], ...]
-
-    def restore(self) -> None:
-        """Give each config its previous implementation back."""
-        for config, implementation in self.previous:
-            config._attn_implementation_internal = implementation
-
-
-def use_decode_attention(model: PreTrainedModel) -> AttentionSwitch:
-    """Switch every attention layer of `model` to `decode_attention_forward`; `restore()` on the result undoes it.
-
-    Each config the model's modules hold is set, not only `model.config`: transformers 5.17's
-    `set_attn_implementation` leaves the configs of T5's encoder and decoder stacks (copies of the model's) as
-    they were. A model whose attention does not go through transformers' attention interface is refused, and
-    nothing changes. Switch before compiling: a compiled forward would compile again.
-    """
-    refused = sorted({type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel)
-                      and not type(m)._can_set_attn_implementation()})  # fmt: skip
-    if refused:
-        msg = (
-            f"{', '.join(refused)} computes attention outside transformers' attention interface, so "
-            f"{ATTENTION!r} would not be used; keep the model's own attention for it"
-        )
-        raise UnsupportedGenerationError(msg)
-    register_decode_attention()
-    configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PreTrainedConfig)}
-    switch = AttentionSwitch(tuple((c, c._attn_implementation_internal) for c in configs.values()))
-    for config in configs.values():
-        config._attn_implementation_internal = ATTENTION
-    return switch
