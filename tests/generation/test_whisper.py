@@ -11,7 +11,7 @@ their absence.
 
 from __future__ import annotations
 
-import logging
+import unittest.mock
 from typing import Any
 
 import pytest
@@ -22,6 +22,7 @@ from transformers.generation import logits_process as lp
 
 import cachelife
 from cachelife.errors import UnsupportedGenerationError
+from cachelife.generation import method as cachelife_generation_method
 from cachelife.generation.processors import tensor_processors, unsupported_processor
 from cachelife.tools import zoo
 
@@ -248,22 +249,27 @@ def test_condition_on_previous_tokens_equals_generate() -> None:
     assert not torch.equal(reference(model, **settings), expected)
 
 
-def test_conditioning_a_batch_on_segments_of_other_lengths_falls_back_by_name(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    model = build()
+@pytest.mark.parametrize("beams", [1, 2])
+def test_conditioning_a_batch_on_segments_of_other_lengths_equals_generate(beams: int) -> None:
+    """Whisper left-pads the rows' earlier segments of other lengths (a padded decoder mask and positions from
+    it): the step reads both from static buffers, as for decoder-only prompts."""
+    model = cachelife.enable(build())
     settings: dict[str, Any] = {
         **long_form(2), "max_new_tokens": NEW, "return_timestamps": True, "condition_on_prev_tokens": True,
+        "num_beams": beams,
     }  # fmt: skip
-    feature = "a padded decoder_attention_mask (Whisper's condition_on_prev_tokens with a batch)"
-    with pytest.raises(UnsupportedGenerationError, match=feature.replace("(", r"\(").replace(")", r"\)")):
-        ours(model, **settings)
-    with caplog.at_level(logging.WARNING, logger="cachelife"):
-        got = cachelife.generate(model, compile_step=False, **settings)
-    assert torch.equal(sequences(got), reference(model, **settings))
-    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("cachelife")]
-    assert len(warnings) == 1
-    assert feature in warnings[0]
+    padded: list[bool] = []
+    method = cachelife_generation_method.unsupported_prompt
+
+    def watch(model: Any, model_kwargs: dict[str, Any]) -> str | None:
+        padded.append(bool((model_kwargs.get("decoder_attention_mask", torch.ones(1)) == 0).any()))
+        return method(model, model_kwargs)
+
+    expected = reference(model, **settings)
+    with unittest.mock.patch.object(cachelife_generation_method, "unsupported_prompt", watch):
+        got = ours(model, **settings)
+    assert any(padded)  # some segment's decoder prompt was padded, and decoded on the fast path
+    assert torch.equal(sequences(got), sequences(expected))
 
 
 # -- temperature fallback ----------------------------------------------------------------------------------

@@ -74,13 +74,7 @@ def unsupported_criterion(criteria: StoppingCriteriaList, config: GenerationConf
 def unsupported_prompt(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> str | None:
     """A prompt the loop does not decode, read from what reaches the decoding method: the attention mask
     `generate` was given or inferred from the pad token, so that both are treated alike."""
-    if model.config.is_encoder_decoder:
-        # The step does not pass a decoder mask: a padded one (Whisper's earlier segments of different lengths,
-        # condition_on_prev_tokens in a batch) is left to transformers.
-        if is_padded(model_kwargs.get("decoder_attention_mask")):
-            return "a padded decoder_attention_mask (Whisper's condition_on_prev_tokens with a batch)"
-        return None
-    mask = model_kwargs.get("attention_mask")
+    mask = model_kwargs.get("decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask")
     if not isinstance(mask, torch.Tensor) or not is_padded(mask):
         return None
     return unsupported_padding(model, mask)

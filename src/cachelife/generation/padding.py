@@ -7,6 +7,9 @@ instead: the mask once at its final width (the prompt's mask, then ones: positio
 are masked by causality anyway), and each row's padding count, from which the position of the token at
 `length - 1` is `length - 1 - padding`. Rows of one input's beams share their padding, so beam reorders leave
 both as they are. Right padding is not what `generate` is made for with decoder-only models, and is refused.
+An encoder-decoder model's decoder prompt is read the same way from `decoder_attention_mask`, with
+`decoder_position_ids`: Whisper's sequential long form left-pads the earlier segments' tokens of a batch
+(`condition_on_prev_tokens`), and its `prepare_inputs_for_generation` computes the positions as above.
 """
 
 from __future__ import annotations
@@ -17,17 +20,25 @@ import torch
 from attrs import frozen
 from transformers import PreTrainedModel
 
+# The forward's arguments for the mask and the positions: a decoder-only model's, and an encoder-decoder
+# model's decoder's (Whisper's sequential long form left-pads a batch's prompts of earlier segments).
+DECODER_ONLY = ("attention_mask", "position_ids")
+DECODER = ("decoder_attention_mask", "decoder_position_ids")
+
 
 @frozen
 class LeftPadding:
-    """Static buffers: the attention mask at the cache's width, and each row's padding count."""
+    """Static buffers: the attention mask at the cache's width, and each row's padding count; `names` are the
+    forward's arguments for them (`DECODER_ONLY` or `DECODER`)."""
 
     mask: torch.Tensor  # (rows, cache length), the mask's dtype
     padding: torch.Tensor  # (rows,) long
+    names: tuple[str, str] = DECODER_ONLY
 
     def step_inputs(self, length: torch.Tensor) -> dict[str, torch.Tensor]:
         """The mask and position ids of the step whose input is the token at `length - 1` (0-dim)."""
-        return {"attention_mask": self.mask, "position_ids": (length - 1 - self.padding)[:, None]}
+        mask_name, positions_name = self.names
+        return {mask_name: self.mask, positions_name: (length - 1 - self.padding)[:, None]}
 
 
 def is_padded(mask: object) -> bool:
@@ -35,14 +46,17 @@ def is_padded(mask: object) -> bool:
 
 
 def unsupported_padding(model: PreTrainedModel, mask: torch.Tensor) -> str | None:
-    """Why a padded decoder-only prompt cannot be decoded on the fast path, or None."""
+    """Why a padded prompt (a decoder-only model's, or an encoder-decoder model's decoder's) cannot be decoded
+    on the fast path, or None."""
+    mask_name, positions_name = DECODER if model.config.is_encoder_decoder else DECODER_ONLY
+    prompts = "decoder prompts" if model.config.is_encoder_decoder else "prompts for a decoder-only model"
     if mask.dim() != 2:
-        return f"an attention_mask of {mask.dim()} dimensions for a decoder-only model (2 are decoded)"
+        return f"a {mask_name} of {mask.dim()} dimensions (2 are decoded)"
     ones_then_zeros = (mask[:, 1:] == 0) & (mask[:, :-1] != 0)
     if bool(ones_then_zeros.any()):
-        return "right-padded prompts for a decoder-only model (attention_mask zeros after tokens; pad on the left)"
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return f"padded prompts for {type(model).__name__}, whose forward takes no position_ids"
+        return f"right-padded {prompts} ({mask_name} zeros after tokens; pad on the left)"
+    if positions_name not in inspect.signature(model.forward).parameters:
+        return f"padded {prompts} for {type(model).__name__}, whose forward takes no {positions_name}"
     return None
 
 

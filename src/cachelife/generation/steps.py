@@ -22,7 +22,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
-from cachelife.generation.padding import LeftPadding, is_padded, padding_counts
+from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
@@ -79,6 +79,9 @@ def prefill(
         mask = model_kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             model_kwargs["attention_mask"] = step_inputs["attention_mask"] = leases.static_copy("encoder mask", mask)
+        decoder_mask = model_kwargs.get("decoder_attention_mask")
+        if isinstance(decoder_mask, torch.Tensor) and is_padded(decoder_mask):
+            padding = left_padding(decoder_mask, cache_length, leases, DECODER)
     else:
         cache = prepare_static_cache(model, batch_size=rows, max_cache_len=cache_length, pool=pool)
         mask = model_kwargs.get("attention_mask")
@@ -93,11 +96,14 @@ def prefill(
     return step_inputs, logits[:, -1].to(copy=True, dtype=torch.float32), padding
 
 
-def left_padding(mask: torch.Tensor, width: int, leases: StateLeases) -> LeftPadding:
+def left_padding(
+    mask: torch.Tensor, width: int, leases: StateLeases, names: tuple[str, str] = DECODER_ONLY
+) -> LeftPadding:
     """The prompt's mask at the cache's width (ones after the prompt) and its padding, in leased buffers."""
     full = torch.ones(mask.shape[0], width, dtype=mask.dtype, device=mask.device)
     full[:, : mask.shape[1]] = mask
-    return LeftPadding(leases.static_copy("prompt mask", full), leases.static_copy("padding", padding_counts(mask)))
+    padding = leases.static_copy("padding", padding_counts(mask))
+    return LeftPadding(leases.static_copy("prompt mask", full), padding, names)
 
 
 def input_name(model: PreTrainedModel) -> str:
