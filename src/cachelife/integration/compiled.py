@@ -7,6 +7,7 @@ enabled model's hooks and `generate` find it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ParamSpec, TypeVar
@@ -117,9 +118,17 @@ def call_step(step: Callable[P, R], check_guards: bool, /, *args: P.args, **kwar
     `check_guards=False` is only for a call that repeats an earlier one whose guards passed, with the same
     objects or tensors of the same shapes, strides, dtypes and devices: the decoding loops call their compiled
     step so, step after step, and the full check (every parameter and cache tensor of the model is guarded)
-    costs 0.2-0.4 ms of host time per call on a 32-layer decoder, which a few-millisecond graph replay cannot
-    always hide."""
-    if check_guards:
-        return step(*args, **kwargs)
-    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-        return step(*args, **kwargs)
+    costs host time per call that grows with the model's layers and that a short graph replay cannot always
+    hide.
+
+    dynamo's stance is one for the whole process: a call in another thread while it skips guards could run a
+    graph compiled for other inputs. Every call of a compiled step therefore holds `_STANCE`."""
+    with _STANCE:
+        if check_guards:
+            return step(*args, **kwargs)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return step(*args, **kwargs)
+
+
+# Held by every call of a compiled step (see `call_step`); reentrant for a step that calls `generate` inside.
+_STANCE = threading.RLock()
