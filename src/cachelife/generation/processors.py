@@ -78,7 +78,7 @@ _CALLED: tuple[type[lp.LogitsProcessor], ...] = (
 
 
 @frozen
-class _Called:
+class Called:
     """A transformers processor that never reads `input_ids`."""
 
     processor: lp.LogitsProcessor
@@ -192,7 +192,7 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
         case lp.WhisperTimeStampLogitsProcessor():
             return _whisper_timestamps(processor, device)
         case _:
-            return _Called(processor)
+            return Called(processor)
 
 
 def _sequence_bias(processor: lp.SequenceBiasLogitsProcessor, vocab_size: int, device: torch.device) -> SequenceBias:
