@@ -38,11 +38,15 @@ from cachelife.errors import (
     CompileArtifactsMismatchError,
     CompiledRegionError,
     EnabledModelPickleError,
+    EngineClosedError,
+    IllegalSlotTransitionError,
     IllegalTransitionError,
     InvalidArgumentError,
     InvalidBucketsError,
     NoCompileArtifactsError,
+    QueueFullError,
     ReplacedBuffersError,
+    RequestTimeoutError,
     UnmarkedBuffersError,
     UnpinnedCacheError,
     UnsupportedCacheError,
@@ -71,6 +75,7 @@ from cachelife.integration.warm_start import (
     save_compile_artifacts,
 )
 from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
+from cachelife.serving.engine import Engine, EngineStats
 from cachelife.version import __version__
 
 __all__ = [
@@ -89,8 +94,12 @@ __all__ = [
     "CompiledRegionError",
     "DeclaresCacheShapes",
     "EnabledModelPickleError",
+    "Engine",
+    "EngineClosedError",
+    "EngineStats",
     "FillRecord",
     "Filled",
+    "IllegalSlotTransitionError",
     "IllegalTransitionError",
     "InvalidArgumentError",
     "InvalidBucketsError",
@@ -102,8 +111,10 @@ __all__ = [
     "NoStorage",
     "PinSpec",
     "Pinned",
+    "QueueFullError",
     "Released",
     "ReplacedBuffersError",
+    "RequestTimeoutError",
     "Unallocated",
     "UnmarkedBuffersError",
     "UnpinnedCacheError",

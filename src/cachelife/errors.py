@@ -70,3 +70,19 @@ class CompileArtifactsFormatError(CacheLifecycleError, ValueError):
 
 class NoCompileArtifactsError(CacheLifecycleError, RuntimeError):
     """Compile artifacts were to be saved, but this process has compiled (or loaded from a cache) nothing yet."""
+
+
+class IllegalSlotTransitionError(CacheLifecycleError, RuntimeError):
+    """A row of an engine's batch was asked for a transition its slot state does not allow."""
+
+
+class QueueFullError(CacheLifecycleError, RuntimeError):
+    """An engine holds as many requests as its rows and queue allow: retry later, or make the queue longer."""
+
+
+class EngineClosedError(CacheLifecycleError, RuntimeError):
+    """The engine was closed before (or while) the request was served."""
+
+
+class RequestTimeoutError(CacheLifecycleError, TimeoutError):
+    """A request to an engine was not served within its `timeout`."""

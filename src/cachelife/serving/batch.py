@@ -1,0 +1,341 @@
+"""The engine's batch: its pinned caches, its rows and their slots, run by the scheduler thread alone.
+
+`join` writes a newcomer's prompt into a free row at a step boundary: transformers' prefill runs on a pinned
+scratch cache of one row, whose keys and values are copied into the row so that the prompt ends just before
+the batch's write slot (`window`), its encoder keys and values whole; the first token is picked as
+`cachelife.generate` picks it. `advance` runs one call of the program's step for every row, `collect` hands
+back the rows that ended. The slots' states are `slots`' table; the device buffers are `rows`'.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from attrs import define
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
+from cachelife.core.layer_lifecycle import LayerLifecycle
+from cachelife.core.pinning import prepare_static_cache
+from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+from cachelife.generation.arguments import eos_ids, special_tokens
+from cachelife.generation.beams import buffer_width
+from cachelife.generation.steps import LoopSettings, stepper
+from cachelife.integration.buckets import check_bucketable
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.integration.runtime import FIRST_CALLS
+from cachelife.serving.requests import Joining, hand_back
+from cachelife.serving.rows import Program, Rows, StepNames, build_program, choose, engine_steps, row_values
+from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
+from cachelife.serving.window import Occupant, Placement, place
+from cachelife.validate import check_int
+
+# Decoder-side relative positions: the slot-aligned rows keep every distance, so no position ids are needed.
+_RELATIVE_POSITIONS = frozenset({"t5", "mt5"})
+
+
+@define
+class _EncoderRow:
+    hidden: torch.Tensor  # (1, encoder length, hidden)
+    mask: torch.Tensor | None  # (1, encoder length), for models that mask the encoder's padding
+
+
+@define
+class _Seat:
+    joining: Joining
+    start: int
+    end: int
+    unused: int = 0  # leading noise buffers holding draws no step used yet
+
+
+class Batch:
+    """`rows` rows of at most `max_length` tokens each (see the module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, *, rows: int, max_length: int, settings: LoopSettings,
+                 encoder_length: int | None) -> None:  # fmt: skip
+        self.model, self.settings, self.max_length = model, settings, max_length
+        self.names = step_names(model)
+        self.encoder_length = encoder_length_of(model, encoder_length)
+        self.width = max_length + settings.steps_per_call
+        self.vocab = vocab_size(model)
+        device = model.device
+        self.rows = Rows.allocate(rows, buffer_width(max_length), self.width, device)
+        self.cache = prepare_static_cache(model, batch_size=rows, max_cache_len=self.width,
+                                          encoder_length=self.encoder_length)  # fmt: skip
+        self.scratch = prepare_static_cache(model, batch_size=1, max_cache_len=self.width,
+                                            encoder_length=self.encoder_length)  # fmt: skip
+        if is_encoder_decoder_cache(self.cache):  # every row's encoder keys and values are written at its join
+            for index in range(len(lifecycle(self.cache).cross_attention)):
+                self.cache.is_updated[index] = True
+        self.step_inputs: dict[str, Any] = {self.names.cache: self.cache}
+        self.noise = tuple(torch.ones(rows, self.vocab, device=device) for _ in range(settings.steps_per_call))
+        for buffer in self.noise:
+            torch._dynamo.mark_static_address(buffer)
+        self.slots = [Slot(row) for row in range(rows)]
+        self.seats: dict[int, _Seat] = {}
+        self.programs: dict[tuple[object, ...], tuple[Program, Callable[[], int]]] = {}
+        self.program: Program | None = None
+        self.slot = 0  # where every row writes its next key and value
+        self.steps = 0
+        self.moves = 0
+
+    def has_room_for(self, joining: Joining) -> Placement | None:
+        """Where `joining` goes if it may join now: a free row, the same program, room in the cache."""
+        if len(self.seats) == len(self.slots):
+            return None
+        if self.seats and self.program is not None and joining.key != self.program.key:
+            return None
+        occupants = [Occupant(seat.start, seat.end) for seat in self.seats.values()]
+        return place(
+            slot=self.slot, width=self.width, steps_per_call=self.settings.steps_per_call, occupants=occupants,
+            prompt=joining.prompt, remaining=joining.max_length - joining.prompt - 1,
+        )  # fmt: skip
+
+    def join(self, joining: Joining, placement: Placement) -> None:
+        """Write the newcomer's prompt into a free row so that it ends before the placement's slot, and pick
+        its first token; a failure fails the newcomer alone and leaves the other rows as they were."""
+        row = next(slot.row for slot in self.slots if isinstance(slot.state, Free))
+        slot = self.slots[row]
+        slot.move("admit", Prefilling(joining.request.number))
+        try:
+            program = self.program if self.seats and self.program is not None else self._program_for(joining)
+            # Not while another thread compiles: dynamo's "compiling" flag is the whole process's, and the
+            # scratch cache's reset refuses to run inside a compiled region.
+            with FIRST_CALLS:
+                logits, encoder = self._prefill(joining)
+        except Exception as error:
+            slot.move("fail", Free())
+            hand_back(joining, error=error)
+            return
+        self.program = program
+        if placement.shift:
+            self._roll(placement.shift)
+        self.slot = placement.slot
+        for layer in lifecycle(self.cache).self_attention:
+            layer.layer.cumulative_length.fill_(self.slot)
+        start = self.slot - joining.prompt
+        self._copy_row(row, start, joining.prompt, encoder)
+        self.rows.start(row, joining.input_ids, joining.max_length, start)
+        for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
+            buffer[row] = value
+        self._first_token(row, joining, logits, program)
+        slot.move("start", Decoding(joining.request.number, start))
+        self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1)
+
+    def advance(self) -> None:
+        """One call of the step for every row (`steps_per_call` steps; a graph's first call runs one)."""
+        if self.program is None:
+            return
+        spc = self.settings.steps_per_call
+        for row, seat in self.seats.items():
+            generator = seat.joining.generator
+            if generator is not None:
+                for buffer in self.noise[seat.unused :]:
+                    buffer[row].exponential_(generator=generator)
+        ran = self.programs[self.program.key][1]()
+        for row, seat in self.seats.items():  # draws a call did not use come first in the next
+            if seat.joining.generator is None:
+                continue
+            for index in range(spc - ran):
+                self.noise[index][row].copy_(self.noise[ran + index][row])
+            seat.unused = max(spc - ran, 0)
+        self.slot += ran
+        self.steps += ran
+
+    def collect(self) -> None:
+        """Hand back the rows that ended (one host read of lengths and end flags), and leave abandoned ones."""
+        if not self.seats:
+            return
+        lengths, unfinished = self.rows.length.tolist(), self.rows.unfinished.tolist()
+        for row, seat in list(self.seats.items()):
+            if seat.joining.abandoned:
+                self.end(row)
+            elif not unfinished[row] or lengths[row] >= seat.joining.max_length:
+                self.end(row, tokens=self.rows.tokens[row : row + 1, : lengths[row]].clone())
+
+    def end(self, row: int, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+        seat = self.seats.pop(row)
+        slot = self.slots[row]
+        slot.move("finish", Finished(seat.joining.request.number))
+        self.rows.free(row)
+        slot.move("free", Free())
+        hand_back(seat.joining, tokens=tokens, error=error)
+
+    def fail_all(self, error: BaseException) -> None:
+        for row in list(self.seats):
+            self.end(row, error=error)
+        self.slot = 0
+
+    # -- joining ---------------------------------------------------------------------------------------------
+
+    def _program_for(self, joining: Joining) -> Program:
+        found = self.programs.get(joining.key)
+        if found is None:
+            config = joining.config
+            pad = special_tokens(config, "_pad_token_tensor")
+            program = build_program(
+                joining.converted, joining.key, rows=len(self.slots), do_sample=bool(config.do_sample),
+                eos=eos_ids(config), pad=0 if pad is None else int(pad),
+            )  # fmt: skip
+            found = (program, self._stepper(program))
+            self.programs[joining.key] = found
+        return found[0]
+
+    def _stepper(self, program: Program) -> Callable[[], int]:
+        def arguments(index: int, steps: int, settings: Any) -> dict[str, Any]:
+            return {
+                "model": self.model, "rows": self.rows, "noise": self.noise[index : index + steps],
+                "program": settings, "step_inputs": self.step_inputs, "steps": steps, "names": self.names,
+            }  # fmt: skip
+
+        return stepper(
+            self.model, "engine", engine_steps, arguments,
+            in_place=(self.model, self.rows, self.noise, self.step_inputs), read_only=program,
+            settings=self.settings,
+        )  # fmt: skip
+
+    def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:
+        """The newcomer's prompt through transformers' prefill on the scratch cache: its last logits, and its
+        encoder output (and mask) at the engine's encoder length."""
+        lifecycle(self.scratch).reset()
+        kwargs = dict(joining.model_kwargs)
+        for stale in ("cache", "past_key_values"):
+            kwargs.pop(stale, None)
+        kwargs[self.names.cache] = self.scratch
+        encoder = None if self.encoder_length is None else self._encoder_inputs(kwargs, self.encoder_length)
+        outputs = self.model._prefill(joining.input_ids, joining.config, kwargs)
+        logits: torch.Tensor = outputs["logits"]
+        return logits[:, -1].to(torch.float32), encoder
+
+    def _encoder_inputs(self, kwargs: dict[str, Any], width: int) -> _EncoderRow:
+        """The newcomer's encoder output (and mask) padded to the engine's encoder length, in `kwargs`."""
+        hidden: torch.Tensor = kwargs["encoder_outputs"][0]
+        length = int(hidden.shape[1])
+        if length > width:
+            msg = f"the request's encoder output has {length} positions, the engine's encoder_length is {width}"
+            raise InvalidArgumentError(msg)
+        padded = hidden.new_zeros(1, width, hidden.shape[2])
+        padded[:, :length] = hidden
+        kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=padded)
+        if "encoder hidden" not in self.step_inputs:
+            self.step_inputs["encoder hidden"] = _static(hidden.new_zeros(len(self.slots), width, hidden.shape[2]))
+            self.step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=self.step_inputs["encoder hidden"])
+        if self.names.positions is not None:  # Whisper: no padding to mask
+            return _EncoderRow(padded, None)
+        mask = kwargs.get("attention_mask")
+        full = torch.zeros(1, width, dtype=torch.long, device=hidden.device)
+        full[:, :length] = mask if isinstance(mask, torch.Tensor) else 1
+        kwargs["attention_mask"] = full
+        if "attention_mask" not in self.step_inputs:
+            self.step_inputs["attention_mask"] = _static(torch.ones_like(full).expand(len(self.slots), -1).clone())
+        return _EncoderRow(padded, full)
+
+    def _copy_row(self, row: int, start: int, prompt: int, encoder: _EncoderRow | None) -> None:
+        """The scratch cache's prompt into `row` at slots `start ..`, its encoder keys and values whole."""
+        mine, theirs = lifecycle(self.cache), lifecycle(self.scratch)
+        for target, source in zip(mine.self_attention, theirs.self_attention, strict=True):
+            for into, out_of in zip(_tensors(target), _tensors(source), strict=True):
+                into[row, :, start : start + prompt].copy_(out_of[0, :, :prompt])
+        for target, source in zip(mine.cross_attention, theirs.cross_attention, strict=True):
+            for into, out_of in zip(_tensors(target), _tensors(source), strict=True):
+                into[row].copy_(out_of[0])
+        if encoder is not None:
+            self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
+            if encoder.mask is not None:
+                self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
+
+    def _first_token(self, row: int, joining: Joining, logits: torch.Tensor, program: Program) -> None:
+        """The prefill's token, chosen with the row's processors and its generator's first draw."""
+        rows, device = len(self.slots), logits.device
+        noise = torch.ones(rows, self.vocab, device=device)
+        if joining.generator is not None:
+            noise[row].exponential_(generator=joining.generator)
+        among = torch.zeros(rows, dtype=torch.bool, device=device)
+        among[row] = True
+        first = torch.zeros(rows, self.vocab, device=device)
+        first[row] = logits[0]
+        choose(self.rows, first, noise, program, among)
+
+    def _roll(self, shift: int) -> None:
+        """Move every row's content `shift` slots along the cache (all rows alike, distances kept)."""
+        self.moves += 1
+        for layer in lifecycle(self.cache).self_attention:
+            for tensor in _tensors(layer):
+                tensor.copy_(torch.roll(tensor, shift, dims=2))
+        for row, seat in self.seats.items():
+            seat.start += shift
+            seat.end += shift
+            self.rows.attend_from(row, seat.start)
+
+
+def step_names(model: PreTrainedModel) -> StepNames:
+    """The forward's arguments for the engine's step, or `UnsupportedGenerationError` for a model whose
+    decoder reads its positions from the cache's slot (rows that joined at other steps would be misplaced)."""
+    cache = cache_argument_name(model)
+    parameters = set(inspect.signature(model.forward).parameters)
+    if not model.config.is_encoder_decoder:
+        if "position_ids" not in parameters:
+            msg = f"{type(model).__name__}'s forward takes no position_ids, which the engine's rows need"
+            raise UnsupportedGenerationError(msg)
+        return StepNames("input_ids", "attention_mask", "position_ids", cache)
+    if "decoder_position_ids" in parameters:
+        return StepNames("decoder_input_ids", "decoder_attention_mask", "decoder_position_ids", cache)
+    if model.config.model_type in _RELATIVE_POSITIONS:
+        return StepNames("decoder_input_ids", "decoder_attention_mask", None, cache)
+    msg = (
+        f"{type(model).__name__} computes its decoder positions from the cache's slot and takes no "
+        "decoder_position_ids, so the engine's rows (which join at different steps) would be misplaced; "
+        "decode it with cachelife.generate"
+    )
+    raise UnsupportedGenerationError(msg)
+
+
+def encoder_length_of(model: PreTrainedModel, given: int | None) -> int | None:
+    """The encoder output length every row's cross-attention holds: Whisper's fixed one, else `given`."""
+    if not model.config.is_encoder_decoder:
+        if given is not None:
+            msg = f"{type(model).__name__} is decoder-only: pass no encoder_length"
+            raise InvalidArgumentError(msg)
+        return None
+    fixed = getattr(model.config, "max_source_positions", None) if model.config.model_type == "whisper" else None
+    if isinstance(fixed, int):
+        if given is not None and given != fixed:
+            msg = f"Whisper's encoder output has {fixed} positions; encoder_length={given} does not apply"
+            raise InvalidArgumentError(msg)
+        return fixed
+    if given is None:
+        msg = (
+            f"{type(model).__name__} is an encoder-decoder model: pass encoder_length, the longest encoder "
+            "output (source tokens) a request may have"
+        )
+        raise InvalidArgumentError(msg)
+    check_int("encoder_length", given)
+    check_bucketable(model)
+    return given
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """The logits' width: the output embedding's rows (the config's vocabulary for a model without one)."""
+    embeddings = cast("Callable[[], object]", model.get_output_embeddings)()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+def _tensors(layer: LayerLifecycle) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pinned layer's keys and values (pinned layers hold both)."""
+    keys, values = layer.layer.keys, layer.layer.values
+    if keys is None or values is None:
+        msg = f"{layer.describe()} holds no keys or values"
+        raise UnsupportedGenerationError(msg)
+    return keys, values
+
+
+def _static(tensor: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.mark_static_address(tensor)
+    return tensor

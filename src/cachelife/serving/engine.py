@@ -1,0 +1,287 @@
+"""`cachelife.Engine`: concurrent requests on one model, decoded together in the rows of one pinned batch.
+
+`submit(**kwargs)` takes what `cachelife.generate` takes for one sequence and returns a future of what it
+would return for that request alone; `await engine.generate(**kwargs)` is the same for asyncio. Each request
+runs transformers' `generate` in a thread of the engine (the encoder, the decoder prompt, the processors, and
+afterwards Whisper's post-processing) with a decoding method that hands the prepared request to the engine's
+scheduler thread and waits. The scheduler owns the device state: at each step boundary it writes newcomers'
+prompts into free rows of its static cache (`window` says where; `slots` tracks each row), then runs one call
+of the step for all rows (`rows`; compiled, and on CUDA replayed from one captured graph per program), and
+hands finished rows' tokens back. Requests wait in a bounded queue (`QueueFullError` past it), can be
+cancelled (`future.cancel()`) or time out, fail alone when their own input or prefill fails, and get
+`EngineClosedError` when the engine closes before they are served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+import torch
+from attrs import frozen
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError
+from cachelife.generation.api import check_generator, check_model
+from cachelife.generation.arguments import eos_ids, int_field, special_tokens
+from cachelife.generation.steps import CudaGraphs, LoopSettings
+from cachelife.serving.batch import Batch
+from cachelife.serving.requests import (
+    Joining,
+    Request,
+    check_request,
+    check_timeout,
+    hand_back,
+    prepared_processors,
+    wait_for,
+)
+from cachelife.serving.rows import program_key
+from cachelife.serving.window import fits_at_all
+from cachelife.validate import check_bool, check_choice, check_int
+
+logger = logging.getLogger(__name__)
+
+
+@frozen
+class EngineStats:
+    """A snapshot: rows decoding, prepared requests waiting for a row, requests held (submitted, not done),
+    steps run, the cache's write slot, and how often the rows' content was moved to make room."""
+
+    decoding: int
+    waiting: int
+    held: int
+    steps: int
+    slot: int
+    moves: int
+
+
+class Engine:
+    """Continuous batching of concurrent `generate` requests on one model (see the module docstring).
+
+    `rows` sequences decode at once; `max_length` bounds each request's prompt plus new tokens; `queue_size`
+    requests may wait beyond the rows; `prepare_ahead` requests run their encoder and preparation while
+    the rows are full; `encoder_length` (encoder-decoder models but Whisper, whose encoder length is fixed)
+    is the longest encoder output a request may have; `timeout` (seconds) is every request's default.
+    `steps_per_call`, `compile_step` and `cuda_graphs` are `cachelife.generate`'s."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        rows: int = 8,
+        max_length: int = 256,
+        queue_size: int = 64,
+        prepare_ahead: int = 2,
+        steps_per_call: int = 1,
+        compile_step: bool = True,
+        cuda_graphs: CudaGraphs = "cachelife",
+        encoder_length: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        check_model(model)
+        for name, value in (("rows", rows), ("max_length", max_length), ("steps_per_call", steps_per_call)):
+            check_int(name, value)
+        check_int("queue_size", queue_size, minimum=0)
+        check_int("prepare_ahead", prepare_ahead, minimum=0)
+        check_bool("compile_step", compile_step)
+        check_choice("cuda_graphs", cuda_graphs, ("cachelife", "torch"))
+        check_timeout(timeout)
+        self._model, self._timeout = model, timeout
+        settings = LoopSettings(steps_per_call, 1, compile_step, False, None, cuda_graphs)
+        with torch.no_grad():
+            self._batch = Batch(model, rows=rows, max_length=max_length, settings=settings,
+                                encoder_length=encoder_length)  # fmt: skip
+        self._numbers = itertools.count()
+        self._capacity = rows + queue_size
+        self._held = 0
+        self._waiting: deque[Joining] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._workers = ThreadPoolExecutor(rows + prepare_ahead, thread_name_prefix="cachelife-engine-request")
+        self._scheduler = threading.Thread(target=self._serve, name="cachelife-engine", daemon=True)
+        self._scheduler.start()
+
+    # -- the caller's side ---------------------------------------------------------------------------------
+
+    def submit(
+        self, *, generator: torch.Generator | None = None, timeout: float | None = None, **kwargs: Any
+    ) -> Future[Any]:
+        """A future of `cachelife.generate(model, generator=generator, **kwargs)` for one sequence.
+
+        Raises at once for what is wrong before any work (`InvalidArgumentError`, `UnsupportedGenerationError`),
+        `QueueFullError` when the engine holds `rows + queue_size` requests, `EngineClosedError` once closed;
+        what `generate`'s preparation finds wrong is set on the future."""
+        check_generator(generator, self._model)
+        check_timeout(timeout)
+        check_request(self._model, kwargs)
+        timeout = self._timeout if timeout is None else timeout
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                msg = "the engine is closed: it takes no new requests"
+                raise EngineClosedError(msg)
+            if self._held >= self._capacity:
+                msg = (
+                    f"the engine holds {self._held} requests, as many as its rows and queue take "
+                    f"({self._capacity}); retry later, or make rows or queue_size larger"
+                )
+                raise QueueFullError(msg)
+            self._held += 1
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = Request(next(self._numbers), kwargs, generator, future, timeout, deadline)
+        self._workers.submit(self._run, request)
+        return future
+
+    async def generate(
+        self, *, generator: torch.Generator | None = None, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """`submit` for asyncio: cancelling the awaiting task cancels the request."""
+        return await asyncio.wrap_future(self.submit(generator=generator, timeout=timeout, **kwargs))
+
+    def stats(self) -> EngineStats:
+        batch = self._batch
+        with self._lock:
+            return EngineStats(len(batch.seats), len(self._waiting), self._held, batch.steps, batch.slot, batch.moves)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Take no new requests; requests already decoding finish, the others fail with `EngineClosedError`."""
+        with self._wake:
+            self._closed = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._wake.notify_all()
+        for joining in waiting:
+            hand_back(joining, error=EngineClosedError("the engine was closed before the request got a row"))
+        if wait:
+            self._scheduler.join()
+            self._workers.shutdown(wait=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        stats = self.stats()
+        return (
+            f"Engine({type(self._model).__name__}, rows={len(self._batch.slots)}, "
+            f"max_length={self._batch.max_length}, "
+            f"decoding={stats.decoding}, waiting={stats.waiting})"
+        )
+
+    # -- a request's thread ---------------------------------------------------------------------------------
+
+    def _run(self, request: Request) -> None:
+        try:
+            if request.future.cancelled():
+                return
+            if self._closed:
+                msg = "the engine was closed before the request started"
+                raise EngineClosedError(msg)
+
+            def method(model: PreTrainedModel, input_ids: torch.Tensor, **arguments: Any) -> torch.Tensor:
+                return self._decode(request, model, input_ids, **arguments)
+
+            output = type(self._model).generate(self._model, **request.kwargs, custom_generate=method)
+            if not request.future.cancelled():
+                request.future.set_result(output)
+        except BaseException as error:
+            if not request.future.cancelled():
+                request.future.set_exception(error)
+        finally:
+            with self._lock:
+                self._held -= 1
+
+    def _decode(
+        self,
+        request: Request,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        *,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
+        """The decoding method of the request's `generate`: check and convert what it prepared, queue it for a
+        row, wait for its tokens."""
+        config, batch = generation_config, self._batch
+        converted = prepared_processors(
+            model, input_ids, processors=logits_processor, criteria=stopping_criteria, config=config,
+            model_kwargs=model_kwargs, settings=batch.settings, vocab=batch.vocab,
+        )  # fmt: skip
+        max_length = int_field(config, "max_length")
+        prompt = int(input_ids.shape[1])
+        if not fits_at_all(width=batch.width, steps_per_call=batch.settings.steps_per_call, prompt=prompt,
+                           remaining=max_length - prompt - 1):  # fmt: skip
+            msg = (
+                f"the request's max_length is {max_length} (prompt {prompt} + new tokens); the engine's "
+                f"max_length is {batch.max_length}: ask for fewer new tokens, or make the engine's longer"
+            )
+            raise InvalidArgumentError(msg)
+        generator = request.generator
+        if config.do_sample and generator is None:
+            generator = torch.Generator(device=model.device).manual_seed(int(torch.randint(2**62, ())))
+        eos = eos_ids(config)
+        pad_tensor = special_tokens(config, "_pad_token_tensor")
+        pad = 0 if pad_tensor is None else int(pad_tensor)
+        key = program_key(converted, do_sample=bool(config.do_sample), eos=eos, pad=pad)
+        joining = Joining(request, input_ids, model_kwargs, config, converted, key, max_length, generator)
+        with self._wake:
+            if self._closed:
+                msg = "the engine was closed before the request got a row"
+                raise EngineClosedError(msg)
+            self._waiting.append(joining)
+            self._wake.notify_all()
+        return wait_for(joining, self._lock, self._waiting)
+
+    # -- the scheduler thread -------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        with torch.no_grad():
+            while self._next_boundary():
+                pass
+
+    def _next_boundary(self) -> bool:
+        """Admit newcomers, run one call of the step, hand back what ended; False once closed and drained."""
+        batch = self._batch
+        with self._wake:
+            while not self._waiting and not batch.seats and not self._closed:
+                self._wake.wait()
+            if self._closed and not batch.seats:
+                return False
+        try:
+            self._admit()
+            batch.advance()
+            batch.collect()
+        except Exception as error:  # a step's failure is every decoding row's
+            logger.exception("cachelife.Engine: a step failed; its %d rows fail with it", len(batch.seats))
+            batch.fail_all(error)
+        return True
+
+    def _admit(self) -> None:
+        """Newcomers join in their order while the head of the queue fits."""
+        while True:
+            with self._lock:
+                while self._waiting and self._waiting[0].abandoned:
+                    self._waiting.popleft()
+                head = self._waiting[0] if self._waiting else None
+                placement = None if head is None else self._batch.has_room_for(head)
+                if head is None or placement is None:
+                    return
+                self._waiting.popleft()
+            self._batch.join(head, placement)

@@ -1,0 +1,156 @@
+"""A request's side of the engine: what it asks for, what the engine checks before any work, and how its
+`generate` thread hands the prepared request over and waits for the tokens."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import CancelledError, Future
+from typing import Any
+
+import torch
+from attrs import define, field
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from cachelife.errors import InvalidArgumentError, RequestTimeoutError, UnsupportedGenerationError
+from cachelife.generation.arguments import int_field, merged_config, unsupported_argument, unsupported_config
+from cachelife.generation.host import host_criteria
+from cachelife.generation.method import unsupported_prompt, unsupported_window
+from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
+from cachelife.generation.steps import LoopSettings
+from cachelife.serving.rows import unsupported_for_rows
+
+# cachelife.generate's own settings: an engine's are set once, on the engine.
+ENGINE_SETTINGS = ("fallback", "steps_per_call", "stop_check_every", "compile_step", "cuda_graphs",
+                   "compile_options", "encoder_buckets")  # fmt: skip
+_POLL_SECONDS = 0.05
+
+
+@define
+class Request:
+    number: int
+    kwargs: dict[str, Any]
+    generator: torch.Generator | None
+    future: Future[Any]
+    timeout: float | None
+    deadline: float | None
+
+
+@define
+class Joining:
+    """A prepared request, from its `generate`'s thread to the scheduler and back."""
+
+    request: Request
+    input_ids: torch.Tensor
+    model_kwargs: dict[str, Any]
+    config: GenerationConfig
+    converted: tuple[TensorProcessor, ...]
+    key: tuple[object, ...]
+    max_length: int
+    generator: torch.Generator | None
+    done: threading.Event = field(factory=threading.Event)
+    tokens: torch.Tensor | None = None
+    error: BaseException | None = None
+    abandoned: bool = False  # its thread stopped waiting (cancelled, timed out)
+
+    @property
+    def prompt(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def check_request(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    """What is wrong with a request before any work: `InvalidArgumentError` or `UnsupportedGenerationError`."""
+    ours = sorted(name for name in ENGINE_SETTINGS if name in kwargs)
+    if ours:
+        msg = f"{', '.join(ours)} are the engine's settings (Engine(model, ...)), not a request's"
+        raise InvalidArgumentError(msg)
+    if kwargs.get("streamer") is not None:
+        msg = "streamer in an engine request: the engine returns each request's tokens when it ends"
+        raise UnsupportedGenerationError(msg)
+    inputs = [value for name in ("input_ids", "input_features", "inputs_embeds")
+              if isinstance(value := kwargs.get(name), torch.Tensor)]  # fmt: skip
+    if not inputs:
+        msg = "an engine request needs input_ids (or Whisper's input_features) as a tensor, got none"
+        raise InvalidArgumentError(msg)
+    rows = int(inputs[0].shape[0])
+    if rows != 1:
+        msg = f"an engine request is one sequence (batch 1), got a batch of {rows}: submit each"
+        raise InvalidArgumentError(msg)
+    feature = unsupported_argument(kwargs) or unsupported_config(merged_config(model, kwargs))
+    if feature is not None:
+        msg = f"the engine does not decode {feature}; call cachelife.generate for it"
+        raise UnsupportedGenerationError(msg)
+
+
+def check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+        msg = f"timeout must be a positive number of seconds or None, got {timeout!r}"
+        raise InvalidArgumentError(msg)
+
+
+def prepared_processors(
+    model: PreTrainedModel, input_ids: torch.Tensor, *, processors: LogitsProcessorList,
+    criteria: StoppingCriteriaList, config: GenerationConfig, model_kwargs: dict[str, Any], settings: LoopSettings,
+    vocab: int,
+) -> tuple[TensorProcessor, ...]:  # fmt: skip
+    """The request's processors as the engine's step runs them, or `UnsupportedGenerationError` naming what
+    the engine does not decode (what `generate` prepared, read in its thread)."""
+    if int_field(config, "num_beams") > 1:
+        reason: str | None = "beam search (num_beams > 1)"
+    elif getattr(config, "return_dict_in_generate", False):
+        reason = "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
+    elif int(input_ids.shape[0]) != 1:
+        reason = f"{int(input_ids.shape[0])} sequences for one request (num_return_sequences)"
+    else:
+        found = host_criteria(criteria)
+        reason = (
+            (f"stopping criteria read on the host ({type(found[0]).__name__})" if found else None)
+            or unsupported_processor(processors)
+            or unsupported_prompt(model, model_kwargs)
+            or unsupported_window(model, config, settings)
+        )
+    converted: tuple[TensorProcessor, ...] = ()
+    if reason is None:
+        converted = tensor_processors(processors, vocab_size=vocab, device=model.device)
+        reason = unsupported_for_rows(converted)
+    if reason is not None:
+        msg = f"the engine does not decode {reason}; call cachelife.generate for this request"
+        raise UnsupportedGenerationError(msg)
+    return converted
+
+
+def wait_for(joining: Joining, lock: threading.Lock, waiting: deque[Joining]) -> torch.Tensor:
+    """The tokens the scheduler hands back; on cancellation or timeout the request leaves the queue (or, at
+    the next step boundary, its row) and its thread raises."""
+    request = joining.request
+    while not joining.done.wait(_POLL_SECONDS):
+        expired = request.deadline is not None and time.monotonic() > request.deadline
+        if request.future.cancelled() or expired:
+            with lock:
+                joining.abandoned = True
+                if joining in waiting:
+                    waiting.remove(joining)
+            if request.future.cancelled():
+                raise CancelledError
+            msg = f"the request was not served within its timeout of {request.timeout} s"
+            raise RequestTimeoutError(msg)
+    if joining.error is not None:
+        raise joining.error
+    if joining.tokens is None:  # unreachable: the scheduler hands back tokens or an error
+        msg = "the engine ended the request without tokens"
+        raise UnsupportedGenerationError(msg)
+    return joining.tokens
+
+
+def hand_back(joining: Joining, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+    """End the request's wait with its tokens, or its error (nothing: it was abandoned)."""
+    if tokens is None and error is None:
+        error = CancelledError()
+    joining.tokens, joining.error = tokens, error
+    joining.done.set()

@@ -1,0 +1,219 @@
+"""The engine's batch on the device: per-row tokens, lengths, limits and masks, and the step that decodes them.
+
+Each row holds its own request's tokens from column 0 (`Rows`); lengths, end flags, length limits, the
+attention mask over the cache's slots and the processors' per-row positions are tensors with one entry per
+row, so that one compiled step (and one CUDA graph) serves whatever mix of requests the rows hold. A row's
+position ids are its own token count minus one, whatever cache slot it writes (`window`).
+
+The processors of one batch are one `Program`: transformers' processors converted as `cachelife.generate`
+converts them (`generation.processors`), with the positions that differ between requests (the begin index of
+suppressed tokens, minimum lengths, forced positions) held per row. Requests whose other settings differ (a
+temperature, a top-k, other suppressed tokens) have another program and wait for the batch to run theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import attrs
+import torch
+from attrs import frozen
+from transformers import PreTrainedModel
+
+from cachelife.generation.processors import Called, TensorProcessor
+from cachelife.generation.rewrites import ForceAt, NoEosBefore, RepetitionPenalty, SuppressAtBegin
+
+# The rewritten processors' fields that hold a position of one request, held per row in a program.
+ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
+    SuppressAtBegin: ("begin_index",),
+    NoEosBefore: ("minimum", "skip"),
+    ForceAt: ("at",),
+}
+# Processors the engine's per-row step runs: those that read only the scores, and the rewrites whose
+# arithmetic holds with one length per row.
+_ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty)
+
+
+@frozen
+class StepNames:
+    """The forward's arguments: the token input, the decoder's mask over the cache, its position ids (None:
+    T5's relative positions, read from the slots, need none) and the cache."""
+
+    tokens: str
+    mask: str
+    positions: str | None
+    cache: str
+
+
+@frozen
+class Rows:
+    """Static buffers, mutated in place."""
+
+    tokens: torch.Tensor  # (rows, width) long: each row's tokens from column 0
+    length: torch.Tensor  # (rows,) long
+    unfinished: torch.Tensor  # (rows,) bool
+    active: torch.Tensor  # (rows,) bool: rows that decode (others' steps change nothing)
+    max_length: torch.Tensor  # (rows,) long
+    mask: torch.Tensor  # (rows, cache slots) long: the slots each row attends to
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, slots: int, device: torch.device) -> Rows:
+        made = cls(
+            torch.zeros(rows, width, dtype=torch.long, device=device),
+            torch.ones(rows, dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.bool, device=device),
+            torch.zeros(rows, dtype=torch.bool, device=device),
+            torch.ones(rows, dtype=torch.long, device=device),
+            torch.ones(rows, slots, dtype=torch.long, device=device),
+        )
+        for tensor in attrs.astuple(made, recurse=False):
+            torch._dynamo.mark_static_address(tensor)
+        return made
+
+    def running(self) -> torch.Tensor:
+        return self.active & self.unfinished & (self.length < self.max_length)
+
+    def positions(self) -> torch.Tensor:
+        return (self.length - 1).clamp(min=0)[:, None]
+
+    def last_tokens(self) -> torch.Tensor:
+        return self.tokens.gather(1, self.positions())
+
+    def start(self, row: int, prompt: torch.Tensor, max_length: int, first_slot: int) -> None:
+        """Row `row` holds `prompt` (1, n) and attends to the slots from `first_slot` on."""
+        self.tokens[row].zero_()
+        self.tokens[row, : prompt.shape[1]].copy_(prompt[0])
+        self.length[row] = prompt.shape[1]
+        self.unfinished[row] = True
+        self.active[row] = True
+        self.max_length[row] = max_length
+        self.attend_from(row, first_slot)
+
+    def attend_from(self, row: int, first_slot: int) -> None:
+        slots = torch.arange(self.mask.shape[1], device=self.mask.device)
+        self.mask[row].copy_(slots >= first_slot)
+
+    def free(self, row: int) -> None:
+        self.active[row] = False
+        self.unfinished[row] = False
+        self.length[row] = 1
+        self.mask[row].fill_(1)
+
+
+@frozen
+class Program:
+    """The processors of a batch and how it picks tokens; `rows` are the per-row tensors of its processors'
+    `ROW_FIELDS`, (rows, 1) each, in the order `row_values` lists them."""
+
+    key: tuple[object, ...]
+    processors: tuple[TensorProcessor, ...]
+    rows: tuple[torch.Tensor, ...]
+    do_sample: bool
+    eos: torch.Tensor | None
+    pad: int
+
+
+def unsupported_for_rows(converted: Sequence[TensorProcessor]) -> str | None:
+    for processor in converted:
+        if not isinstance(processor, _ROW_SAFE):
+            name = type(getattr(processor, "processor", processor)).__name__
+            return f"{name} in an engine (its rule reads one length for the whole batch)"
+    return None
+
+
+def row_values(converted: Sequence[TensorProcessor]) -> list[torch.Tensor]:
+    """One request's values of the per-row fields, 0-dim each, in program order."""
+    return [getattr(p, name) for p in converted for name in ROW_FIELDS.get(type(p), ())]
+
+
+def program_key(converted: Sequence[TensorProcessor], *, do_sample: bool, eos: object, pad: int) -> tuple[object, ...]:
+    """What must be equal for two requests to share a batch: every processor's type and settings but the
+    per-row fields, and how tokens are picked."""
+    described = tuple((type(p).__name__, _settings(p)) for p in converted)
+    return (described, do_sample, _value(eos), pad)
+
+
+def build_program(
+    converted: Sequence[TensorProcessor], key: tuple[object, ...], *, rows: int, do_sample: bool,
+    eos: torch.Tensor | None, pad: int,
+) -> Program:  # fmt: skip
+    """A program from one request's converted processors, the per-row fields as (rows, 1) buffers."""
+    per_row: list[torch.Tensor] = []
+    made: list[TensorProcessor] = []
+    for processor in converted:
+        names = ROW_FIELDS.get(type(processor), ())
+        if not names:
+            made.append(processor)
+            continue
+        buffers = {}
+        for name in names:
+            value: torch.Tensor = getattr(processor, name)
+            buffer = value.expand(rows, 1).clone()
+            torch._dynamo.mark_static_address(buffer)
+            buffers[name] = buffer
+            per_row.append(buffer)
+        made.append(attrs.evolve(processor, **buffers))  # type: ignore[misc]  # the rewrites are attrs classes
+    return Program(key, tuple(made), tuple(per_row), do_sample, eos, pad)
+
+
+def engine_steps(
+    model: PreTrainedModel,
+    rows: Rows,
+    *,
+    noise: Sequence[torch.Tensor],
+    program: Program,
+    step_inputs: dict[str, Any],
+    steps: int,
+    names: StepNames,
+) -> None:
+    """`steps` steps of every row (the function that gets compiled)."""
+    for index in range(steps):
+        inputs: dict[str, Any] = {names.tokens: rows.last_tokens(), names.mask: rows.mask}
+        if names.positions is not None:
+            inputs[names.positions] = rows.positions()
+        output = model(**inputs, use_cache=True, **step_inputs)
+        choose(rows, output.logits[:, -1].to(torch.float32), noise[index], program)
+
+
+def choose(
+    rows: Rows, logits: torch.Tensor, noise: torch.Tensor, program: Program, among: torch.Tensor | None = None
+) -> None:
+    """Process `logits` (rows, vocab; float32) with each row's length, pick a token per running row (argmax,
+    or an exponential race) and append it, as `cachelife.generate`'s greedy step does for one request; with
+    `among`, only those rows take part."""
+    running = rows.running() if among is None else rows.running() & among
+    length = rows.length[:, None]
+    scores = logits
+    for processor in program.processors:
+        scores = processor(rows.tokens, length, scores)
+    token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1) if program.do_sample else scores.argmax(dim=-1)
+    unfinished = rows.unfinished
+    if program.eos is not None:
+        token = torch.where(unfinished, token, program.pad)
+        unfinished = unfinished & ~torch.isin(token, program.eos)
+    column = torch.arange(rows.tokens.shape[1], device=token.device)[None, :] == rows.length[:, None]
+    rows.tokens.copy_(torch.where(column & running[:, None], token[:, None], rows.tokens))
+    rows.unfinished.copy_(torch.where(running, unfinished, rows.unfinished))
+    rows.length.add_(running.long())
+
+
+def _settings(processor: TensorProcessor) -> object:
+    inner = getattr(processor, "processor", None)
+    if isinstance(processor, Called) and inner is not None:
+        return tuple(sorted((name, _value(value)) for name, value in vars(inner).items()))
+    skipped = ROW_FIELDS.get(type(processor), ())
+    if attrs.has(type(processor)):
+        fields = attrs.fields(type(processor))  # type: ignore[arg-type]  # attrs.has narrows no type
+        return tuple((f.name, _value(getattr(processor, f.name))) for f in fields if f.name not in skipped)
+    return repr(processor)
+
+
+def _value(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (str(value.dtype), tuple(value.shape), tuple(value.flatten().tolist()))
+    if isinstance(value, list | tuple):
+        return tuple(_value(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _value(v)) for k, v in value.items()))
+    return value if isinstance(value, int | float | str | bool | None) else repr(value)

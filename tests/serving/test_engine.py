@@ -1,0 +1,230 @@
+"""cachelife.Engine on the CPU: concurrent requests, each equal to its own `cachelife.generate` call."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError, Future
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import cachelife
+from cachelife.errors import (
+    EngineClosedError,
+    InvalidArgumentError,
+    QueueFullError,
+    RequestTimeoutError,
+    UnsupportedGenerationError,
+)
+from cachelife.serving.engine import Engine
+from cachelife.tools import zoo
+
+
+def build(name: str) -> zoo.ZooModel:
+    built = zoo.build(name)
+    if name == "whisper":
+        zoo.whisper_tiny_generation(built.model.generation_config)
+    return built
+
+
+@pytest.fixture(scope="module")
+def llama() -> zoo.ZooModel:
+    return build("llama")
+
+
+def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
+    tokens = cachelife.generate(model, fallback=False, compile_step=False, **kwargs)
+    assert isinstance(tokens, torch.Tensor)
+    return tokens
+
+
+def requests_of(built: zoo.ZooModel, count: int) -> Iterator[dict[str, Any]]:
+    """Requests of different prompt lengths and budgets."""
+    for index in range(count):
+        inputs = built.inputs(1, 2 + (5 * index) % 9, index)
+        yield {**inputs, "max_new_tokens": 2 + (7 * index) % 11}
+
+
+@pytest.mark.parametrize(("name", "options"), [("llama", {}), ("whisper", {}), ("t5", {"encoder_length": 16})])
+def test_concurrent_requests_each_equal_their_own_generate(name: str, options: dict[str, Any]) -> None:
+    built = build(name)
+    requests = list(requests_of(built, 7))
+    if name == "whisper":  # other languages: other decoder prompts, one program
+        for index, request in enumerate(requests):
+            request["language"] = ("en", "de", "fr")[index % 3]
+    with Engine(built.model, rows=3, max_length=40, compile_step=False, **options) as engine:
+        futures = [engine.submit(**request) for request in requests]
+        results = [future.result(timeout=120) for future in futures]
+    for request, result in zip(requests, results, strict=True):
+        assert torch.equal(result, alone(built.model, **request))
+
+
+def test_the_compiled_step_with_joins_at_every_step_and_moves(llama: zoo.ZooModel) -> None:
+    # Two rows and a short cache: newcomers join at every step position of the other row, and the rows'
+    # content is moved to make room for longer prompts.
+    requests = list(requests_of(llama, 9))
+    with Engine(llama.model, rows=2, max_length=24) as engine:
+        futures = [engine.submit(**request) for request in requests]
+        results = [future.result(timeout=300) for future in futures]
+        stats = engine.stats()
+    assert stats.moves > 0
+    for request, result in zip(requests, results, strict=True):
+        expected = cachelife.generate(llama.model, fallback=False, **request)
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected)
+
+
+def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel) -> None:
+    sampling = {"do_sample": True, "top_k": 0, "temperature": 0.8}
+    requests = [{**request, **sampling} for request in requests_of(llama, 4)]
+    with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
+        futures = [
+            engine.submit(**request, generator=torch.Generator().manual_seed(seed))
+            for seed, request in enumerate(requests)
+        ]
+        results = [future.result(timeout=120) for future in futures]
+    for seed, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = alone(llama.model, **request, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(result, expected)
+
+
+def test_requests_of_other_settings_wait_for_their_own_batch(llama: zoo.ZooModel) -> None:
+    requests = list(requests_of(llama, 6))
+    for index, request in enumerate(requests):
+        if index % 2:
+            request.update(repetition_penalty=1.5, min_new_tokens=2)
+    with Engine(llama.model, rows=3, max_length=40, compile_step=False) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**r) for r in requests]]
+    for request, result in zip(requests, results, strict=True):
+        assert torch.equal(result, alone(llama.model, **request))
+
+
+def test_async_requests(llama: zoo.ZooModel) -> None:
+    requests = list(requests_of(llama, 4))
+
+    async def main(engine: Engine) -> list[Any]:
+        return list(await asyncio.gather(*(engine.generate(**request) for request in requests)))
+
+    with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
+        results = asyncio.run(main(engine))
+    for request, result in zip(requests, results, strict=True):
+        assert torch.equal(result, alone(llama.model, **request))
+
+
+def test_a_failing_request_fails_alone(llama: zoo.ZooModel) -> None:
+    good = list(requests_of(llama, 3))
+    bad: dict[str, Any] = {"input_ids": torch.tensor([[1, 2, 10_000]]), "max_new_tokens": 4}  # past the vocabulary
+    with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
+        futures = [engine.submit(**good[0]), engine.submit(**bad), engine.submit(**good[1]), engine.submit(**good[2])]
+        with pytest.raises(IndexError):
+            futures[1].result(timeout=120)
+        results = [futures[index].result(timeout=120) for index in (0, 2, 3)]
+        assert engine.stats().held == 0
+    for request, result in zip(good, results, strict=True):
+        assert torch.equal(result, alone(llama.model, **request))
+
+
+def test_a_cancelled_request_leaves_its_row(llama: zoo.ZooModel) -> None:
+    long = {**llama.inputs(1, 4, 0), "max_new_tokens": 30}
+    short = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
+    with Engine(llama.model, rows=1, max_length=40, compile_step=False) as engine:
+        first = engine.submit(**long)
+        _until(lambda: engine.stats().decoding == 1)
+        assert first.cancel()
+        second = engine.submit(**short)
+        assert torch.equal(second.result(timeout=120), alone(llama.model, **short))
+        _until(lambda: engine.stats().held == 0)
+        assert engine.stats().decoding == 0
+    with pytest.raises(CancelledError):
+        first.result()
+
+
+def test_a_request_past_its_timeout_fails_with_a_timeout(llama: zoo.ZooModel) -> None:
+    with Engine(llama.model, rows=1, max_length=64, compile_step=False) as engine:
+        blocking = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=60)
+        late = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=4, timeout=0.01)
+        with pytest.raises(RequestTimeoutError, match=r"timeout of 0\.01 s"):
+            late.result(timeout=120)
+        blocking.result(timeout=120)
+
+
+def test_a_full_queue_refuses_at_once(llama: zoo.ZooModel) -> None:
+    gate = threading.Event()
+    with Engine(llama.model, rows=1, max_length=40, queue_size=0, prepare_ahead=0, compile_step=False) as engine:
+        engine._workers.submit(gate.wait)  # the only worker is busy: the first request stays held
+        held = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=2)
+        with pytest.raises(QueueFullError, match="holds 1 requests"):
+            engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=2)
+        gate.set()
+        held.result(timeout=120)
+
+
+def test_close_fails_what_waits_and_finishes_what_decodes(llama: zoo.ZooModel) -> None:
+    engine = Engine(llama.model, rows=1, max_length=64, compile_step=False)
+    decoding = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=40)
+    _until(lambda: engine.stats().decoding == 1)
+    waiting = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=4)
+    _until(lambda: engine.stats().waiting == 1)
+    engine.close()
+    assert torch.equal(decoding.result(timeout=1), alone(llama.model, **llama.inputs(1, 4, 0), max_new_tokens=40))
+    with pytest.raises(EngineClosedError, match="before the request got a row"):
+        waiting.result(timeout=1)
+    with pytest.raises(EngineClosedError, match="takes no new requests"):
+        engine.submit(**llama.inputs(1, 4, 2), max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 2, "input_ids": torch.ones(2, 3, dtype=torch.long)}, InvalidArgumentError, "batch of 2"),
+        ({"max_new_tokens": 2}, InvalidArgumentError, "needs input_ids"),
+        ({"max_new_tokens": 2, "input_ids": torch.ones(1, 3, dtype=torch.long), "steps_per_call": 2},
+         InvalidArgumentError, "the engine's settings"),
+        ({"max_new_tokens": 2, "input_ids": torch.ones(1, 3, dtype=torch.long), "output_attentions": True,
+          "return_dict_in_generate": True}, UnsupportedGenerationError, "output_attentions"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_refused_before_any_work(
+    llama: zoo.ZooModel, request_kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with Engine(llama.model, rows=1, max_length=16, compile_step=False) as engine:
+        with pytest.raises(error, match=match):
+            engine.submit(**request_kwargs)
+        assert engine.stats().held == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"num_beams": 2}, "beam search"),
+        ({"max_new_tokens": 60}, "the engine's max_length is 16"),
+        ({"no_repeat_ngram_size": 2}, "NoRepeatNGram"),
+    ],
+)
+def test_what_the_engine_does_not_decode_fails_the_request(
+    llama: zoo.ZooModel, settings: dict[str, Any], match: str
+) -> None:
+    with Engine(llama.model, rows=1, max_length=16, compile_step=False) as engine:
+        future: Future[Any] = engine.submit(**llama.inputs(1, 4, 0), **{"max_new_tokens": 4, **settings})
+        with pytest.raises((UnsupportedGenerationError, InvalidArgumentError), match=match):
+            future.result(timeout=120)
+
+
+def test_models_whose_positions_come_from_the_cache_are_refused() -> None:
+    with pytest.raises(UnsupportedGenerationError, match="decoder_position_ids"):
+        Engine(zoo.build("bart").model)
+    with pytest.raises(InvalidArgumentError, match="pass encoder_length"):
+        Engine(zoo.build("t5").model)
+
+
+def _until(condition: Any, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("the engine did not get there in time")
+        time.sleep(0.01)
