@@ -88,7 +88,7 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
 
 
 # The single-GPU test files (tests/core/test_multidevice.py runs in the multidevice stage).
-GPU_TESTS = ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/kernels")
+GPU_TESTS = ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/kernels", "tests/serving")
 
 
 def run_tests(found: dict[str, str], work: Path, workers: int, select: str = "") -> dict[str, Any]:

@@ -205,6 +205,24 @@ _ENTRIES = (
         "cuda", "streaming-llama-3.2-1b-*cuda*.json",
     ),
     Benchmark(
+        "engine-whisper", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,4,16,64",
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64"),
+        "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 64 requests of 16-64 new tokens "
+        "from 1, 4, 16 and 64 client threads against sequential cachelife.generate; throughput and latency "
+        "p50/p99, tokens checked equal",
+        "cuda", "engine-whisper-large-v3-*cuda*.json",
+    ),
+    Benchmark(
+        "engine-llama", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "1,16,64",
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--paths", "engine,sequential,generate_batch"),
+        "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy, prompts of 16-128 tokens: 64 "
+        "requests from 1, 16 and 64 clients against sequential cachelife.generate and transformers' "
+        "generate_batch",
+        "cuda", "engine-llama-3.2-1b-*cuda*.json",
+    ),
+    Benchmark(
         "longform", "bench.longform",
         ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64",
          "--paths", "auto,cachelife"),
@@ -278,6 +296,14 @@ _ENTRIES = (
         ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--repeats", "10"),
         "per-token streaming latency on the CPU, llama-small shape, fp32, batch 1, greedy, 64 new tokens",
         "cpu", "streaming-llama-small-*cpu*.json",
+    ),
+    Benchmark(
+        "engine-cpu", "bench.engine",
+        ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--clients", "1,4", "--requests", "8",
+         "--rows", "4", "--new-tokens", "4,12"),
+        "cachelife.Engine on the CPU, llama-small, fp32, greedy: 8 requests from 1 and 4 clients against "
+        "sequential cachelife.generate, tokens checked equal",
+        "cpu", "engine-llama-small-cpu-*.json",
     ),
 )  # fmt: skip
 

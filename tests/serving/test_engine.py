@@ -21,6 +21,8 @@ from cachelife.errors import (
     RequestTimeoutError,
     UnsupportedGenerationError,
 )
+from cachelife.generation import graphs
+from cachelife.generation import steps as loop_steps
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 
@@ -77,6 +79,47 @@ def test_the_compiled_step_with_joins_at_every_step_and_moves(llama: zoo.ZooMode
         expected = cachelife.generate(llama.model, fallback=False, **request)
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(result, expected)
+
+
+class _Replayed:
+    def __init__(self, calls: Any) -> None:
+        self.calls = calls
+
+    def replay(self) -> None:
+        self.calls()
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs "captured" on the CPU: the warm-up runs one step, every replay runs the captured calls."""
+
+    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
+        warm_up()
+        return _Replayed(calls)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: function)
+
+
+@pytest.mark.usefixtures("stand_in_graphs")
+def test_graphs_of_several_steps_keep_every_row_on_its_own_draws(llama: zoo.ZooModel) -> None:
+    # A graph's first call runs one step, its replays three: each sampling row's k-th token still uses its
+    # generator's k-th draw, as in cachelife.generate alone.
+    requests = list(requests_of(llama, 6))
+    for request in requests[1::2]:
+        request.update(do_sample=True, top_k=0, temperature=0.7)
+
+    def seeded(index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(index)
+
+    with Engine(llama.model, rows=3, max_length=40, steps_per_call=3) as engine:
+        futures = [engine.submit(**request, generator=seeded(i)) for i, request in enumerate(requests)]
+        results = [future.result(timeout=120) for future in futures]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(llama.model, fallback=False, steps_per_call=3, generator=seeded(index), **request)
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), index
 
 
 def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel) -> None:

@@ -1,0 +1,181 @@
+"""Many clients at once: `cachelife.Engine` against one request at a time, throughput and latency.
+
+    python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
+                           [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
+                           [--paths engine,sequential,auto,generate_batch] [--out DIR]
+
+`--requests` requests with mixed lengths (new tokens spread over `--new-tokens`, exactly that many each:
+`min_new_tokens = max_new_tokens`; decoder-only prompts of 16-128 tokens; Whisper's 30-second windows of
+random features) are served, per path:
+- `engine_cN`: an `Engine(rows=--rows)` with N client threads, each submitting its share of the requests one
+  after the other (closed loop), once per `--clients` value;
+- `sequential`: `cachelife.generate` on each request in turn, one thread (the same compiled step and graphs);
+- `auto`: `model.generate` with transformers' auto-compile, in turn;
+- `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
+One warm-up round per path compiles and captures before anything is timed. Per path: wall seconds, new
+tokens per second, each request's latency (submit to result: p50, p99, max), the lone request's latency
+(the engine with one client, the first request), and whether each request's tokens equal `sequential`'s.
+Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+import cachelife
+from bench.decode import auto_compile
+from bench.padded import MODEL_NAMES, build_model
+from bench.results_file import bench_parser, results_file
+from bench.timing import as_tokens, synchronize
+from cachelife.tools.recipe import pick_device
+
+Request = dict[str, Any]
+
+
+def requests_for(model: PreTrainedModel, count: int, new_tokens: tuple[int, int], seed: int = 0) -> list[Request]:
+    generator = torch.Generator().manual_seed(seed)
+    shortest, longest = new_tokens
+    made = []
+    for index in range(count):
+        tokens = shortest + (index * 37) % (longest - shortest + 1)
+        if model.config.model_type == "whisper":
+            frames = 2 * model.config.max_source_positions
+            features = torch.randn(1, model.config.num_mel_bins, frames, generator=generator)
+            inputs: Request = {"input_features": features.to(model.device, model.dtype)}
+            if getattr(model.generation_config, "lang_to_id", None):
+                inputs["language"] = "en"  # no language detection: one decoder prompt for every request
+        else:
+            length = 16 + (index * 53) % 113
+            ids = torch.randint(3, int(model.config.vocab_size), (1, length), generator=generator)
+            inputs = {"input_ids": ids.to(model.device), "attention_mask": torch.ones_like(ids, device=model.device)}
+        made.append({**inputs, "max_new_tokens": tokens, "min_new_tokens": tokens})
+    return made
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(max(1, math.ceil(share / 100 * len(ordered))), len(ordered)) - 1]
+
+
+def summary(name: str, wall: float, latencies: list[float], new: int) -> dict[str, Any]:
+    return {
+        "path": name, "wall_s": round(wall, 4), "new_tokens": new, "tokens_per_s": round(new / wall, 1),
+        "latency_ms": {"p50": round(1000 * percentile(latencies, 50), 2),
+                       "p99": round(1000 * percentile(latencies, 99), 2),
+                       "max": round(1000 * max(latencies), 2), "mean": round(1000 * statistics.fmean(latencies), 2)},
+    }  # fmt: skip
+
+
+def one_at_a_time(call: Callable[[Request], torch.Tensor], requests: list[Request], device: torch.device) -> Any:
+    call(requests[0])  # warm-up: compile and capture
+    latencies, outputs = [], []
+    synchronize(device)
+    started = time.perf_counter()
+    for request in requests:
+        began = time.perf_counter()
+        outputs.append(call(request))
+        synchronize(device)
+        latencies.append(time.perf_counter() - began)
+    return time.perf_counter() - started, latencies, outputs
+
+
+def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int) -> Any:
+    latencies: list[float] = [0.0] * len(requests)
+    outputs: list[torch.Tensor] = [torch.empty(0)] * len(requests)
+
+    def client(indices: list[int]) -> None:
+        for index in indices:
+            began = time.perf_counter()
+            outputs[index] = engine.submit(**requests[index]).result()
+            latencies[index] = time.perf_counter() - began
+
+    threads = [threading.Thread(target=client, args=(list(range(len(requests)))[start::clients],))
+               for start in range(clients)]  # fmt: skip
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started, latencies, outputs
+
+
+def main() -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--model", default="whisper-large-v3", choices=MODEL_NAMES)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--new-tokens", default="16,64")
+    parser.add_argument("--paths", default="engine,sequential")
+    args = parser.parse_args()
+    device = pick_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    paths = args.paths.split(",")
+    shortest, longest = (int(part) for part in args.new_tokens.split(","))
+    model = build_model(args.model, device, dtype)
+    requests = requests_for(model, args.requests, (shortest, longest))
+    new = sum(int(request["max_new_tokens"]) for request in requests)
+    out = results_file(args.out, f"engine-{args.model}", device, "bench.engine", {
+        "model": args.model, "dtype": args.dtype, "requests": args.requests, "rows": args.rows,
+        "new_tokens": [shortest, longest], "argv": sys.argv[1:], "results": [],
+    })  # fmt: skip
+    reference: list[torch.Tensor] | None = None
+    if "sequential" in paths or "engine" in paths:
+
+        def ours(request: Request) -> torch.Tensor:
+            return as_tokens(cachelife.generate(model, fallback=False, **request))
+
+        wall, latencies, reference = one_at_a_time(ours, requests, device)
+        out.add({**summary("sequential", wall, latencies, new), "lone_ms": round(1000 * latencies[0], 2)})
+    if "engine" in paths:
+        prompts = [int(r["input_ids"].shape[1]) for r in requests if "input_ids" in r]
+        with cachelife.Engine(model, rows=args.rows, max_length=max(prompts, default=8) + longest + 8,
+                              queue_size=max(64, args.requests)) as engine:  # fmt: skip
+            engine.submit(**requests[0]).result()  # warm-up: compile and capture
+            for clients in (int(c) for c in args.clients.split(",")):
+                wall, latencies, outputs = with_engine(engine, requests, clients)
+                equal = reference is not None and all(
+                    torch.equal(got, want) for got, want in zip(outputs, reference, strict=True)
+                )
+                out.add({**summary(f"engine_c{clients}", wall, latencies, new), "clients": clients,
+                         "equal_to_sequential": equal, "steps": engine.stats().steps})  # fmt: skip
+    if "auto" in paths:
+        auto = auto_compile(device)
+
+        def theirs(request: Request) -> torch.Tensor:
+            return as_tokens(model.generate(**request, **auto))
+
+        wall, latencies, _ = one_at_a_time(theirs, requests, device)
+        out.add(summary("auto", wall, latencies, new))
+    if "generate_batch" in paths and not model.config.is_encoder_decoder:
+        ids = [request["input_ids"][0].tolist() for request in requests]
+        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                                  eos_token_id=model.generation_config.eos_token_id,
+                                  pad_token_id=model.generation_config.pad_token_id)  # fmt: skip
+        generate_batch = cast("Callable[..., object]", model.generate_batch)
+        generate_batch(inputs=ids[:4], generation_config=config)  # warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        generate_batch(inputs=ids, generation_config=config)
+        synchronize(device)
+        wall = time.perf_counter() - started
+        longest_new = longest * len(requests)
+        out.add({"path": "generate_batch", "wall_s": round(wall, 4), "new_tokens": longest_new,
+                 "tokens_per_s": round(longest_new / wall, 1),
+                 "note": f"every request {longest} new tokens (one generation config for the batch)"})  # fmt: skip
+    out.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

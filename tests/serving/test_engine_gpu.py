@@ -1,0 +1,50 @@
+"""GPU tests (marker `gpu`) of cachelife.Engine under cachelife's CUDA graphs (fp32): concurrent requests of
+mixed lengths, greedy and seeded sampling, each equal to its own `cachelife.generate` call, at 1 and 3 steps
+per graph replay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import cachelife
+from cachelife.serving.engine import Engine
+from cachelife.tools import zoo
+
+pytestmark = pytest.mark.gpu
+
+
+def requests_of(built: zoo.ZooModel, count: int, *, sampling: bool) -> list[dict[str, Any]]:
+    made = []
+    for index in range(count):
+        request = {**built.inputs(1, 3 + (5 * index) % 11, index), "max_new_tokens": 3 + (7 * index) % 17}
+        if sampling and index % 2:
+            request.update(do_sample=True, top_k=0, temperature=0.7)
+        made.append(request)
+    return made
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+@pytest.mark.parametrize(
+    ("name", "options"), [("llama-small", {}), ("whisper-small", {}), ("t5", {"encoder_length": 24})]
+)
+def test_concurrent_requests_under_graphs_equal_their_own_generate(
+    name: str, options: dict[str, Any], steps_per_call: int
+) -> None:
+    built = zoo.build(name, device="cuda")
+    requests = requests_of(built, 10, sampling=True)
+
+    def seeded(index: int, request: dict[str, Any]) -> torch.Generator | None:
+        return torch.Generator(device="cuda").manual_seed(index) if request.get("do_sample") else None
+
+    with Engine(built.model, rows=4, max_length=48, steps_per_call=steps_per_call, **options) as engine:
+        futures = [engine.submit(**request, generator=seeded(i, request)) for i, request in enumerate(requests)]
+        results = [future.result(timeout=600) for future in futures]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(
+            built.model, fallback=False, steps_per_call=steps_per_call, generator=seeded(index, request), **request
+        )
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), index
