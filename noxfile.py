@@ -60,8 +60,9 @@ def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | N
 @nox.parametrize("transformers", TRANSFORMERS)
 def tests(session: nox.Session, transformers: str) -> None:
     """The fast tests against one transformers release; against the newest, the slow tests too."""
-    install(session, transformers)
-    if transformers != TRANSFORMERS[-1]:
+    newest = transformers == TRANSFORMERS[-1]
+    install(session, transformers, "dev,serve" if newest else "dev")  # Ray Serve's tests once, on the newest
+    if not newest:
         pytest(session, FAST)  # without Triton: cachelife's kernels take their plain-torch paths
         return
     # One environment and one pytest run for the slow tests: a separate session would install torch again.
@@ -103,7 +104,7 @@ def soak(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src, tests, bench and noxfile.py, against the stubs in typings/."""
-    install(session)
+    install(session, extra="dev,serve")  # ray_serve.py's imports are checked against Ray's own types
     session.run("mypy", "--strict")
 
 
