@@ -12,7 +12,8 @@ random features) are served, per path:
 - `sequential`: `cachelife.generate` on each request in turn, one thread (the same compiled step and graphs);
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
-One warm-up round per path compiles and captures before anything is timed. Per path: wall seconds, new
+A warm-up (every request once for the one-at-a-time paths, one request for the engine) compiles and
+captures before anything is timed. Per path: wall seconds, new
 tokens per second, each request's latency (submit to result: p50, p99, max), the lone request's latency
 (the engine with one client, the first request), and whether each request's tokens equal `sequential`'s.
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
@@ -36,6 +37,7 @@ from bench.decode import auto_compile
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, synchronize
+from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
 Request = dict[str, Any]
@@ -76,7 +78,8 @@ def summary(name: str, wall: float, latencies: list[float], new: int) -> dict[st
 
 
 def one_at_a_time(call: Callable[[Request], torch.Tensor], requests: list[Request], device: torch.device) -> Any:
-    call(requests[0])  # warm-up: compile and capture
+    for request in requests:  # warm-up: every shape compiled and captured
+        call(request)
     latencies, outputs = [], []
     synchronize(device)
     started = time.perf_counter()
@@ -110,7 +113,7 @@ def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int)
 
 def main() -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--model", default="whisper-large-v3", choices=MODEL_NAMES)
+    parser.add_argument("--model", default="whisper-large-v3", choices=sorted({*MODEL_NAMES, *zoo.MODEL_NAMES}))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--clients", default="1,4,16,64")
     parser.add_argument("--requests", type=int, default=64)
@@ -122,7 +125,11 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     paths = args.paths.split(",")
     shortest, longest = (int(part) for part in args.new_tokens.split(","))
-    model = build_model(args.model, device, dtype)
+    model = (
+        build_model(args.model, device, dtype)
+        if args.model in MODEL_NAMES
+        else zoo.build(args.model, device=device, dtype=dtype).model
+    )
     requests = requests_for(model, args.requests, (shortest, longest))
     new = sum(int(request["max_new_tokens"]) for request in requests)
     out = results_file(args.out, f"engine-{args.model}", device, "bench.engine", {
