@@ -79,7 +79,18 @@ def test_everything_in_all_is_exported_and_nothing_else_public() -> None:
     assert "NoStorage" in cachelife.__all__
     assert [name for name in cachelife.__all__ if not hasattr(cachelife, name)] == []
     public = {name for name in vars(cachelife) if not name.startswith("_")}
-    subpackages = {"core", "kernels", "integration", "generation", "serving", "tools", "errors", "log", "validate", "version"}
+    subpackages = {
+        "core",
+        "kernels",
+        "integration",
+        "generation",
+        "serving",
+        "tools",
+        "errors",
+        "log",
+        "validate",
+        "version",
+    }
     assert sorted(public - set(cachelife.__all__) - subpackages) == []
 
 
