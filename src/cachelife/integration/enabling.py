@@ -18,6 +18,7 @@ from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
 from cachelife.integration.runtime import Released, existing_runtime
+from cachelife.kernels.attention_implementation import check_decode_attention
 from cachelife.validate import check_bool, check_int
 
 
@@ -28,6 +29,7 @@ def enable(
     pool_bytes: int = DEFAULT_BUDGET_BYTES,
     encoder_buckets: Sequence[int] | None = None,
     fuse_projections: bool = False,
+    decode_attention: bool = False,
 ) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
@@ -42,38 +44,47 @@ def enable(
     `fuse_projections=True` computes each layer's self-attention query, key and value, and a gated MLP's gate
     and up projections, as one matrix product (`cachelife.kernels.fusion`: the weights are concatenated once,
     here, and the parameters become views of them, so memory stays as it was but for zeros standing in for a
-    missing bias); `disable`, or a later `enable` without it, restores the projections exactly. Changing it
-    releases the model's runtime (`release`). Fails at once, before anything is patched, if an argument is
-    invalid (`InvalidArgumentError`), the model is no transformers generation model, its shapes cannot be
-    inferred, or the buckets are invalid (`InvalidBucketsError`) or unsafe for it (`UnsupportedGenerationError`).
+    missing bias); `disable`, or a later `enable` without it, restores the projections exactly.
+    `decode_attention=True` sets cachelife's split-KV attention kernel for one query as the attention
+    implementation of every config the model holds, for self- and cross-attention
+    (`cachelife.kernels.attention_implementation`; transformers' SDPA for prompts); `disable`, or a later
+    `enable` without it, gives each config its previous implementation back. Changing either releases the
+    model's runtime (`release`). Fails at once, before anything is patched, if an argument is invalid
+    (`InvalidArgumentError`), the model is no transformers generation model, its shapes cannot be inferred,
+    the buckets are invalid (`InvalidBucketsError`) or unsafe for it, or `decode_attention=True` and a part of
+    the model computes attention outside transformers' attention interface (both `UnsupportedGenerationError`).
     """
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
         raise InvalidArgumentError(msg)
     check_int("pool_bytes", pool_bytes, minimum=0, note="(0 turns the pool off)")
     check_bool("fuse_projections", fuse_projections)
+    check_bool("decode_attention", decode_attention)
     buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     existing = guard_of(model)
+    if existing is None:
+        if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
+            msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
+            raise UnsupportedCacheError(msg)
+        model_cache_shapes(model)  # fail now, not in the middle of generate
+    if buckets is not None:
+        check_bucketable(model)
+    if decode_attention:
+        check_decode_attention(model)
     if existing is not None:
-        if buckets is not None:
-            check_bucketable(model)
         existing.on_unpinned = on_unpinned
         existing.pool_bytes = pool_bytes
         existing.encoder_buckets = buckets
         existing.fuse_projections = fuse_projections
+        existing.decode_attention = decode_attention
         existing.pool(model)
-        existing.apply_fusion(model)
+        existing.apply_kernels(model)
         return model
-    if not isinstance(model, PreTrainedModel) or not callable(getattr(model, "generate", None)):
-        msg = f"cachelife.enable needs a transformers generation model, got a {type(model).__name__}"
-        raise UnsupportedCacheError(msg)
-    model_cache_shapes(model)  # fail now, not in the middle of generate
-    if buckets is not None:
-        check_bucketable(model)
     guard = DecodingGuard(
-        on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections
-    )
-    guard.apply_fusion(model)
+        on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections,
+        decode_attention=decode_attention,
+    )  # fmt: skip
+    guard.apply_kernels(model)
     guard.install(model)
     guard.pool(model)
     return model

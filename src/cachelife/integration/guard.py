@@ -49,6 +49,7 @@ from cachelife.integration.replaced import ReplacedTensors
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.integration.skips import SkipReporter
 from cachelife.kernels import fusion
+from cachelife.kernels.attention_implementation import AttentionSwitch, use_decode_attention
 from cachelife.kernels.fusion import FusedProjections
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 @define(eq=False)
 class DecodingGuard:
-    """What `enable` installs on one model: two forward hooks and three wrapped methods, and with
-    `fuse_projections` the model's fused projections (`cachelife.kernels.fusion`). It holds the model's settings;
-    the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
+    """What `enable` installs on one model: two forward hooks and three wrapped methods, with `fuse_projections`
+    the model's fused projections (`cachelife.kernels.fusion`) and with `decode_attention` cachelife's decode
+    attention as its attention implementation (`cachelife.kernels.attention_implementation`). It holds the
+    model's settings; the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
 
     A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
     a fresh runtime); pickling an enabled model raises `EnabledModelPickleError`."""
@@ -73,7 +75,9 @@ class DecodingGuard:
     pool_bytes: int
     encoder_buckets: Buckets | None = None
     fuse_projections: bool = False
+    decode_attention: bool = False
     _fusion: FusedProjections | None = field(default=None, alias="fusion")
+    _attention: AttentionSwitch | None = field(default=None, alias="attention")
     _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
     _replaced: ReplacedTensors = field(factory=ReplacedTensors, alias="replaced")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
@@ -94,14 +98,17 @@ class DecodingGuard:
         ]
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
-    def apply_fusion(self, model: PreTrainedModel) -> None:
-        """Fuse the model's projections, or restore them, as `fuse_projections` says. A change releases the
-        model's runtime: its captured graphs and compiled steps read the weights where they were."""
-        if self.fuse_projections == (self._fusion is not None):
+    def apply_kernels(self, model: PreTrainedModel) -> None:
+        """Fuse the model's projections or restore them, and switch its attention implementation or restore it, as
+        `fuse_projections` and `decode_attention` say. A change releases the model's runtime: its captured graphs
+        and compiled steps read the weights where they were and call the attention they were traced with."""
+        fuse = self.fuse_projections != (self._fusion is not None)
+        switch = self.decode_attention != (self._attention is not None)
+        if not (fuse or switch):
             return
         runtime = runtime_of(model)
         with runtime.lock:
-            if self._fusion is None:
+            if fuse and self._fusion is None:
                 self._fusion = fusion.fuse_projections(model)
                 if not self._fusion.groups:
                     logger.warning(
@@ -110,15 +117,30 @@ class DecodingGuard:
                         type(model).__name__,
                         len(self._fusion.skipped),
                     )
-            else:
-                self._fusion.restore()
-                self._fusion = None
+            elif fuse:
+                self.restore_fusion()
+            if switch and self._attention is None:
+                self._attention = use_decode_attention(model)
+                logger.debug(
+                    "%s: attention implementation switched to cachelife's decode attention", type(model).__name__
+                )
+            elif switch:
+                self.restore_attention()
             runtime.release()
 
-    def uninstall(self, model: PreTrainedModel) -> None:
+    def restore_fusion(self) -> None:
         if self._fusion is not None:
             self._fusion.restore()
             self._fusion = None
+
+    def restore_attention(self) -> None:
+        if self._attention is not None:
+            self._attention.restore()
+            self._attention = None
+
+    def uninstall(self, model: PreTrainedModel) -> None:
+        self.restore_fusion()
+        self.restore_attention()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -132,9 +154,12 @@ class DecodingGuard:
     def __deepcopy__(self, memo: dict[int, Any]) -> DecodingGuard:
         # `copy.deepcopy(model)` reaches the guard through the model's __dict__, its hooks and its wrapped
         # methods; every one of them gets this twin, whose hooks and saved attributes are the copy's own.
-        twin = DecodingGuard(self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections)
+        twin = DecodingGuard(
+            self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections, self.decode_attention
+        )
         memo[id(self)] = twin
         twin._fusion = copy.deepcopy(self._fusion, memo)
+        twin._attention = copy.deepcopy(self._attention, memo)  # the copy's configs and their previous values
         twin._hooks = copy.deepcopy(self._hooks, memo)
         twin._saved = copy.deepcopy(self._saved, memo)
         return twin

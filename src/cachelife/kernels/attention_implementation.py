@@ -79,14 +79,9 @@ class AttentionSwitch:
             config._attn_implementation_internal = implementation
 
 
-def use_decode_attention(model: PreTrainedModel) -> AttentionSwitch:
-    """Switch every attention layer of `model` to `decode_attention_forward`; `restore()` on the result undoes it.
-
-    Each config the model's modules hold is set, not only `model.config`: transformers 5.17's
-    `set_attn_implementation` leaves the configs of T5's encoder and decoder stacks (copies of the model's) as
-    they were. A model whose attention does not go through transformers' attention interface is refused, and
-    nothing changes. Switch before compiling: a compiled forward would compile again.
-    """
+def check_decode_attention(model: PreTrainedModel) -> None:
+    """Refuse, with `UnsupportedGenerationError`, a model with a part whose attention does not go through
+    transformers' attention interface, where `ATTENTION` would not be used."""
     refused = sorted({type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel)
                       and not type(m)._can_set_attn_implementation()})  # fmt: skip
     if refused:
@@ -95,6 +90,17 @@ def use_decode_attention(model: PreTrainedModel) -> AttentionSwitch:
             f"{ATTENTION!r} would not be used; keep the model's own attention for it"
         )
         raise UnsupportedGenerationError(msg)
+
+
+def use_decode_attention(model: PreTrainedModel) -> AttentionSwitch:
+    """Switch every attention layer of `model` to `decode_attention_forward`; `restore()` on the result undoes it.
+
+    Each config the model's modules hold is set, not only `model.config`: transformers 5.17's
+    `set_attn_implementation` leaves the configs of T5's encoder and decoder stacks (copies of the model's) as
+    they were. A model `check_decode_attention` refuses is refused, and nothing changes. Switch before
+    compiling: a compiled forward would compile again.
+    """
+    check_decode_attention(model)
     register_decode_attention()
     configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PreTrainedConfig)}
     switch = AttentionSwitch(tuple((c, c._attn_implementation_internal) for c in configs.values()))
