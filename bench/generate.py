@@ -66,7 +66,7 @@ def build(name: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> zo
 
 def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
     settings: dict[str, Any] = {"max_new_tokens": tokens, "min_new_tokens": tokens}
-    if name == "whisper-large-v3":
+    if name in ("whisper-large-v3", "whisper-large-v3-turbo"):  # their generation configs take a language and task
         settings.update(language="en", task="transcribe")
     if beams:
         settings["num_beams"] = beams

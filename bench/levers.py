@@ -1,18 +1,25 @@
-"""Levers on the decode step's kernel time: inductor options and attention kernels, each alone and together.
+"""Levers on the decode step's kernel time: inductor options, attention kernels and cachelife's own kernels,
+each alone and together.
 
     python -m bench.levers [--device cuda|cpu] [--model whisper-small] [--batch-size 1]
                            [--dtypes bfloat16,float32] [--presets baseline,...] [--tokens 128] [--logits]
+                           [--eager-step]
 
-Each preset runs in a fresh process (nothing compiled or set leaks from one to the next) with an empty
-TORCHINDUCTOR_CACHE_DIR, so its first call is a full compilation. In it, `cachelife.generate` (the model's
-own generation config, exactly N new tokens, 1 step per CUDA graph replay, `compile_options=` the preset's
-inductor options, inside `torch.nn.attention.sdpa_kernel(...)` where the preset picks attention kernels)
+`--model` is a zoo name (`cachelife.tools.zoo`: whisper-large-v3, whisper-large-v3-turbo, t5-small, ...) or
+llama-3.2-1b (the Llama-3.2-1B shape of bench.padded). Encoder-decoder models read 48 encoder tokens (Whisper:
+its 30 s of features), decoder-only models a prompt of 16 tokens. Each preset runs in a fresh process (nothing
+compiled or set leaks from one to the next) with an empty TORCHINDUCTOR_CACHE_DIR, so its first call is a full
+compilation. In it, on a model enabled with the preset's `cachelife.enable` options, `cachelife.generate` (the
+model's own generation config, exactly N new tokens, 1 step per CUDA graph replay, `compile_options=` the
+preset's inductor options, inside `torch.nn.attention.sdpa_kernel(...)` where the preset picks attention kernels)
 gives: the first call (seconds, compilation included), the marginal wall time per step and, on CUDA, the GPU
 kernel time and kernel count per step ((long run - short run) / steps, profiled), and the first `--tokens`
 tokens of the long run. Correctness against the baseline preset of the same dtype: the tokens must be equal
 in float32; in other dtypes the fraction of equal tokens and, with `--logits`, the largest logit difference
 over `--tokens` steps of a compiled forward (the same preset) fed the baseline's tokens (teacher forcing,
-so every preset sees the same inputs; it costs each preset a second compilation).
+so every preset sees the same inputs; it costs each preset a second compilation). `--eager-step` runs the step
+and the teacher-forced forward uncompiled, where inductor options do nothing: a quick check of the harness and
+of the presets' `enable` options on a CPU.
 
 Presets: baseline (defaults); max_autotune_gemm (GEMM templates autotuned); coordinate_descent
 (coordinate_descent_tuning); combo_kernels; freezing (inductor's weights-as-constants pass, which
@@ -20,7 +27,10 @@ would concatenate projections of one input; it does not run for a step compiled 
 attention_math / attention_flash (SDPA restricted to the math kernels, which inductor fuses, or to flash and
 memory-efficient attention, where the default picks cuDNN on an H200); attention_flex (the model's
 `flex_attention` implementation, whose compiled kernels split the positions over blocks at one query); together
-(`cachelife.FAST_KERNELS`: combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17). Writes
+(`cachelife.FAST_KERNELS`: combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17); fused
+(`enable(..., fuse_projections=True)`); decode_attention (`enable(..., decode_attention=True)`: cachelife's
+split-KV attention kernel, its torch fallback off CUDA); fused_decode_attention (both); all (both, with
+`cachelife.FAST_KERNELS`). Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
 
@@ -45,6 +55,7 @@ import cachelife
 from bench.child import run_child
 from bench.decode_loop import first_divergence
 from bench.generate import build, settings_for
+from bench.padded import build_model, padded_prompts
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, kernels_per_step, timed
 from cachelife.integration.call_arguments import cache_argument_name
@@ -52,7 +63,9 @@ from cachelife.integration.compiled import InductorOptions
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
-LENGTH = 48
+ENCODER_LENGTH = 48
+PROMPT_LENGTH = 16
+LLAMA = "llama-3.2-1b"
 
 
 @frozen
@@ -60,6 +73,8 @@ class Preset:
     options: dict[str, bool | int | str]
     attention: tuple[SDPBackend, ...] = ()  # empty: SDPA picks as by default
     attn_implementation: str | None = None  # set on the model after it is built; None: the model's default
+    fuse_projections: bool = False  # cachelife.enable's kernel options
+    decode_attention: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -72,7 +87,23 @@ PRESETS: dict[str, Preset] = {
     "attention_flash": Preset({}, (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
     "attention_flex": Preset({}, attn_implementation="flex_attention"),
     "together": Preset(dict(cachelife.FAST_KERNELS)),
+    "fused": Preset({}, fuse_projections=True),
+    "decode_attention": Preset({}, decode_attention=True),
+    "fused_decode_attention": Preset({}, fuse_projections=True, decode_attention=True),
+    "all": Preset(dict(cachelife.FAST_KERNELS), fuse_projections=True, decode_attention=True),
 }
+
+
+def model_and_inputs(
+    name: str, batch: int, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, zoo.Inputs]:
+    """The named model (see the module docstring) and its inputs for `batch` rows."""
+    if name == LLAMA:
+        model = build_model(name, device, dtype)
+        return model, padded_prompts(model, [PROMPT_LENGTH] * batch, seed=1)
+    built = build(name, False, device, dtype)
+    length = ENCODER_LENGTH if built.model.config.is_encoder_decoder else PROMPT_LENGTH
+    return built.model, built.inputs(batch, length, 1)
 
 
 @contextlib.contextmanager
@@ -93,13 +124,14 @@ def kernel_profile(device: torch.device, run: Any, short: int, long: int) -> dic
 
 
 def teacher_forced_logits(
-    model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor, preset: Preset
+    model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor, preset: Preset, *, compiled: bool = True
 ) -> torch.Tensor:
-    """Logits (steps, batch, vocab) of the model's compiled forward fed `tokens` one at a time on a pinned
-    cache: every preset sees the same inputs, so the differences are the compiled numerics alone."""
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
-    options: InductorOptions = {**preset.options, "emulate_precision_casts": True}  # as generate's step compiles
-    cachelife.compile_forward(model, mode=mode, fullgraph=True, options=options)
+    """Logits (steps, batch, vocab) of the model's compiled (or eager) forward fed `tokens` one at a time on a
+    pinned cache: every preset sees the same inputs, so the differences are the preset's numerics alone."""
+    if compiled:
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        options: InductorOptions = {**preset.options, "emulate_precision_casts": True}  # as generate's step compiles
+        cachelife.compile_forward(model, mode=mode, fullgraph=True, options=options)
     key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
     batch, steps = int(tokens.shape[0]), int(tokens.shape[1]) - 1
     logits = []
@@ -116,7 +148,8 @@ def teacher_forced_logits(
         )
         kwargs[cache_argument_name(model)] = cache
         for index in range(steps):
-            output = model(**{key: tokens[:, index : index + 1]}, use_cache=True, **kwargs)
+            position = torch.tensor([index], device=model.device)
+            output = model(**{key: tokens[:, index : index + 1]}, cache_position=position, use_cache=True, **kwargs)
             logits.append(output.logits[:, -1].float().clone())
     return torch.stack(logits)
 
@@ -126,16 +159,17 @@ def child(args: argparse.Namespace) -> None:
     preset = PRESETS[args.child]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
-    built = build(args.model, False, device, dtype)
-    model = cachelife.enable(built.model)
+    model, inputs = model_and_inputs(args.model, args.batch_size, device, dtype)
+    cachelife.enable(model, fuse_projections=preset.fuse_projections, decode_attention=preset.decode_attention)
     if preset.attn_implementation is not None:
         model.set_attn_implementation(preset.attn_implementation)
-    inputs = built.inputs(args.batch_size, LENGTH, 1)
 
     def run(tokens: int) -> torch.Tensor:
         out = cachelife.generate(
-            model, fallback=False, compile_options=preset.options, **inputs, **settings_for(args.model, 0, tokens)
-        )
+            model, fallback=False, compile_step=not args.eager_step,
+            compile_options=None if args.eager_step else preset.options, **inputs,
+            **settings_for(args.model, 0, tokens),
+        )  # fmt: skip
         return as_tokens(out)
 
     with attention_of(preset):
@@ -148,6 +182,8 @@ def child(args: argparse.Namespace) -> None:
             "preset": args.child,
             "options": preset.options,
             "attention": [backend.name for backend in preset.attention],
+            "enable": {"fuse_projections": preset.fuse_projections, "decode_attention": preset.decode_attention},
+            "attn_implementation": model.config._attn_implementation,
             "first_call_s": round(first_call_s, 3),
             "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),
             "kernels": kernel_profile(device, run, args.short, args.long),
@@ -158,7 +194,7 @@ def child(args: argparse.Namespace) -> None:
         torch.save(tokens.cpu(), Path(args.scratch) / f"{args.child}-tokens.pt")
         if dtype != torch.float32 and args.logits:
             reference = tokens if args.child == "baseline" else torch.load(Path(args.scratch) / "baseline-tokens.pt")
-            logits = teacher_forced_logits(model, inputs, reference.to(device), preset)
+            logits = teacher_forced_logits(model, inputs, reference.to(device), preset, compiled=not args.eager_step)
             torch.save(logits.cpu(), Path(args.scratch) / f"{args.child}-logits.pt")
     print("RESULT " + json.dumps(record), flush=True)
 
@@ -169,6 +205,7 @@ def run_preset(preset: str, args: argparse.Namespace, dtype: str, scratch: Path)
         "--child", preset, "--scratch", str(scratch), "--device", args.device, "--model", args.model,
         "--batch-size", str(args.batch_size), "--dtype", dtype, "--tokens", str(args.tokens),
         "--short", str(args.short), "--long", str(args.long), *(["--logits"] if args.logits else []),
+        *(["--eager-step"] if args.eager_step else []),
     ]  # fmt: skip
     record, process = run_child("bench.levers", arguments, scratch / f"cache-{preset}")
     if record is None:
@@ -197,7 +234,7 @@ def correctness(scratch: Path, preset: str, dtype: str, logits: bool) -> dict[st
 
 def main() -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--model", default="whisper-small")
+    parser.add_argument("--model", default="whisper-small", choices=(*zoo.MODEL_NAMES, LLAMA))
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--presets", default=",".join(PRESETS), help=f"any of {', '.join(PRESETS)}")
@@ -205,6 +242,7 @@ def main() -> int:
     parser.add_argument("--short", type=int, default=128, help="new tokens of the short timed run")
     parser.add_argument("--long", type=int, default=188, help="new tokens of the long timed run")
     parser.add_argument("--logits", action="store_true", help="teacher-forced logit differences (not in float32)")
+    parser.add_argument("--eager-step", action="store_true", help="the step uncompiled: a quick check of the harness")
     parser.add_argument("--child", choices=PRESETS, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -222,11 +260,13 @@ def main() -> int:
         parser.error(f"unknown presets {unknown}; choose from {', '.join(PRESETS)}")
     device = pick_device(args.device)
     settings = {
-        "model": args.model, "batch_size": args.batch_size, "input_length": LENGTH, "tokens": args.tokens,
-        "timed_new_tokens": [args.short, args.long], "steps_per_call": 1,
+        "model": args.model, "batch_size": args.batch_size, "encoder_input_length": ENCODER_LENGTH,
+        "prompt_length": PROMPT_LENGTH, "tokens": args.tokens,
+        "timed_new_tokens": [args.short, args.long], "steps_per_call": 1, "compiled_step": not args.eager_step,
     }  # fmt: skip
     chosen = "" if set(presets) == set(PRESETS) else "-" + "-".join(presets[1:] or presets)
-    stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '-')}{chosen}"
+    eager = "-eager-step" if args.eager_step else ""
+    stem = f"levers-{args.model}-b{args.batch_size}-{args.dtypes.replace(',', '-')}{chosen}{eager}"
     results = results_file(args.out, stem, device, "levers", {"settings": settings, "results": []})
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory(prefix="levers-") as scratch:

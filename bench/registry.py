@@ -161,6 +161,32 @@ _ENTRIES = (
         "the baseline against cachelife.FAST_KERNELS on the whisper-large-v3 shape in bf16 at batch 8",
         "cuda", "levers-whisper-large-v3-b8-bfloat16-together-*cuda*.json",
     ),
+    # cachelife's own kernels (issue #22): fused projections, the decode attention kernel, both with FAST_KERNELS.
+    Benchmark(
+        "kernels-whisper", "bench.levers", _levers("baseline,fused,decode_attention,all", "--logits"),
+        "cachelife's kernels on cachelife.generate's step, whisper-large-v3 shape, bf16, batch 1: fused "
+        "projections, the decode attention kernel, and both with cachelife.FAST_KERNELS (all) against the "
+        "baseline, with teacher-forced logit differences",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-fused-decode_attention-all-*cuda*.json",
+    ),
+    Benchmark(
+        "kernels-turbo", "bench.levers", _levers("baseline,all", "--model", "whisper-large-v3-turbo"),
+        "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the "
+        "whisper-large-v3-turbo shape (4 decoder layers), bf16, batch 1",
+        "cuda", "levers-whisper-large-v3-turbo-b1-bfloat16-all-*cuda*.json",
+    ),
+    Benchmark(
+        "kernels-llama", "bench.levers", _levers("baseline,all", "--model", "llama-3.2-1b"),
+        "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the Llama-3.2-1B shape "
+        "(a prompt of 16 tokens), bf16, batch 1",
+        "cuda", "levers-llama-3.2-1b-b1-bfloat16-all-*cuda*.json",
+    ),
+    Benchmark(
+        "kernels-whisper-b8", "bench.levers", _levers("baseline,all", "--batch-size", "8"),
+        "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the whisper-large-v3 "
+        "shape, bf16, batch 8",
+        "cuda", "levers-whisper-large-v3-b8-bfloat16-all-*cuda*.json",
+    ),
     Benchmark(
         "generate-t5-small", "bench.generate",
         ("--device", "cuda", "--models", "t5-small", "--batches", "1", "--dtype", "bfloat16", "--tokens", "16,48",
@@ -290,6 +316,16 @@ _ENTRIES = (
         ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--repeats", "5"),
         "the padded-llama comparison on the CPU with the same family at toy sizes (2 layers, hidden 64), fp32",
         "cpu", "padded-tiny-*cpu*.json",
+    ),
+    Benchmark(
+        "kernels-cpu", "bench.levers",
+        ("--device", "cpu", "--model", "whisper", "--dtypes", "float32", "--presets",
+         "baseline,fused,decode_attention,fused_decode_attention", "--tokens", "24", "--short", "8", "--long", "24",
+         "--eager-step"),
+        "a quick check of the kernels comparison on the CPU with the zoo's tiny Whisper, fp32, batch 1, the step "
+        "uncompiled (so `all` would be fused_decode_attention): fused projections and the attention kernel (its "
+        "torch fallback), alone and together, tokens checked equal to the baseline's",
+        "cpu", "levers-whisper-b1-float32-fused-*-eager-step-cpu*.json",
     ),
     Benchmark(
         "streaming-cpu", "bench.streaming",

@@ -131,16 +131,22 @@ def marian_tiny() -> MarianConfig:
     )  # fmt: skip
 
 
-def whisper_large_v3_shaped() -> WhisperConfig:
+def whisper_large_v3_shaped(*, decoder_layers: int = 32) -> WhisperConfig:
     """Shaped like whisper-large-v3's decoder (32 layers, d_model 1280, 20 heads, FFN 5120, vocab 51866, 1500
-    encoder positions, 128 mel bins) with 2 encoder layers to keep it cheap: decoding reads only the encoder
-    output, whose shape this keeps."""
+    encoder positions, 128 mel bins; `decoder_layers` for others of its family) with 2 encoder layers to keep it
+    cheap: decoding reads only the encoder output, whose shape this keeps."""
     return WhisperConfig(
-        vocab_size=51866, num_mel_bins=128, encoder_layers=2, decoder_layers=32, encoder_attention_heads=20,
-        decoder_attention_heads=20, d_model=1280, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
-        max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50256,
-        bos_token_id=50257, eos_token_id=50257, begin_suppress_tokens=None, suppress_tokens=None,
+        vocab_size=51866, num_mel_bins=128, encoder_layers=2, decoder_layers=decoder_layers,
+        encoder_attention_heads=20, decoder_attention_heads=20, d_model=1280, encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120, max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258,
+        pad_token_id=50256, bos_token_id=50257, eos_token_id=50257, begin_suppress_tokens=None, suppress_tokens=None,
     )  # fmt: skip
+
+
+def whisper_large_v3_turbo_shaped() -> WhisperConfig:
+    """Shaped like whisper-large-v3-turbo: whisper-large-v3's shape with 4 decoder layers (its encoder, cut to 2
+    layers here too, is large-v3's)."""
+    return whisper_large_v3_shaped(decoder_layers=4)
 
 
 def bart_large_cnn_shaped() -> BartConfig:
@@ -256,6 +262,7 @@ _ZOO: Final[Mapping[str, tuple[Callable[[], PreTrainedConfig], type[PreTrainedMo
     "llama-small": (llama_small, LlamaForCausalLM),
     "marian": (marian_tiny, MarianMTModel),
     "whisper-large-v3": (whisper_large_v3_shaped, WhisperForConditionalGeneration),
+    "whisper-large-v3-turbo": (whisper_large_v3_turbo_shaped, WhisperForConditionalGeneration),
     "bart-large-cnn": (bart_large_cnn_shaped, BartForConditionalGeneration),
     "t5-base": (t5_base_shaped, T5ForConditionalGeneration),
 }
@@ -264,6 +271,7 @@ _ZOO: Final[Mapping[str, tuple[Callable[[], PreTrainedConfig], type[PreTrainedMo
 _GENERATION: Final[Mapping[str, Callable[[GenerationConfig], None]]] = {
     "marian": marian_generation,
     "whisper-large-v3": whisper_v3_generation,
+    "whisper-large-v3-turbo": whisper_v3_generation,  # the same tokenizer and generation config
     "bart-large-cnn": bart_cnn_generation,
 }
 
