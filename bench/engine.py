@@ -10,12 +10,14 @@ random features) are served, per path:
 - `engine_cN`: an `Engine(rows=--rows)` with N client threads, each submitting its share of the requests one
   after the other (closed loop), once per `--clients` value;
 - `sequential`: `cachelife.generate` on each request in turn, one thread (the same compiled step and graphs);
+  both at `--steps-per-call` steps per graph replay;
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
 A warm-up (every request once for the one-at-a-time paths, one request for the engine) compiles and
-captures before anything is timed. Per path: wall seconds, new
-tokens per second, each request's latency (submit to result: p50, p99, max), the lone request's latency
-(the engine with one client, the first request), and whether each request's tokens equal `sequential`'s.
+captures before anything is timed. Per path: wall seconds, new tokens per second, each request's latency
+(submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), and how many requests'
+tokens equal `sequential`'s (in bf16 a batch's matrix products may round otherwise than one row's, so near
+ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -120,6 +122,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--new-tokens", default="16,64")
     parser.add_argument("--paths", default="engine,sequential")
+    parser.add_argument("--steps-per-call", type=int, default=1, help="for the engine and sequential paths")
     args = parser.parse_args()
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -132,30 +135,33 @@ def main() -> int:
     )
     requests = requests_for(model, args.requests, (shortest, longest))
     new = sum(int(request["max_new_tokens"]) for request in requests)
-    out = results_file(args.out, f"engine-{args.model}", device, "bench.engine", {
+    stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
+    out = results_file(args.out, stem, device, "bench.engine", {
         "model": args.model, "dtype": args.dtype, "requests": args.requests, "rows": args.rows,
+        "steps_per_call": args.steps_per_call,
         "new_tokens": [shortest, longest], "argv": sys.argv[1:], "results": [],
     })  # fmt: skip
     reference: list[torch.Tensor] | None = None
     if "sequential" in paths or "engine" in paths:
 
         def ours(request: Request) -> torch.Tensor:
-            return as_tokens(cachelife.generate(model, fallback=False, **request))
+            return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))
 
         wall, latencies, reference = one_at_a_time(ours, requests, device)
         out.add({**summary("sequential", wall, latencies, new), "lone_ms": round(1000 * latencies[0], 2)})
     if "engine" in paths:
         prompts = [int(r["input_ids"].shape[1]) for r in requests if "input_ids" in r]
-        with cachelife.Engine(model, rows=args.rows, max_length=max(prompts, default=8) + longest + 8,
-                              queue_size=max(64, args.requests)) as engine:  # fmt: skip
+        options = {"rows": args.rows, "max_length": max(prompts, default=8) + longest + 8,
+                   "queue_size": max(64, args.requests), "steps_per_call": args.steps_per_call}  # fmt: skip
+        with cachelife.Engine(model, **options) as engine:
             engine.submit(**requests[0]).result()  # warm-up: compile and capture
             for clients in (int(c) for c in args.clients.split(",")):
                 wall, latencies, outputs = with_engine(engine, requests, clients)
-                equal = reference is not None and all(
-                    torch.equal(got, want) for got, want in zip(outputs, reference, strict=True)
-                )
+                same = [reference is not None and torch.equal(got, want)
+                        for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
                 out.add({**summary(f"engine_c{clients}", wall, latencies, new), "clients": clients,
-                         "equal_to_sequential": equal, "steps": engine.stats().steps})  # fmt: skip
+                         "equal_to_sequential": all(same), "requests_equal": sum(same),
+                         "steps": engine.stats().steps})  # fmt: skip
     if "auto" in paths:
         auto = auto_compile(device)
 

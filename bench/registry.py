@@ -237,7 +237,14 @@ _ENTRIES = (
         "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 64 requests of 16-64 new tokens "
         "from 1, 4, 16 and 64 client threads against sequential cachelife.generate; throughput and latency "
         "p50/p99, tokens checked equal",
-        "cuda", "engine-whisper-large-v3-*cuda*.json",
+        "cuda", "engine-whisper-large-v3-cuda*.json",
+    ),
+    Benchmark(
+        "engine-whisper-spc4", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "4,16",
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--steps-per-call", "4"),
+        "the engine-whisper comparison at 4 steps per graph replay (engine and sequential), 4 and 16 clients",
+        "cuda", "engine-whisper-large-v3-spc4-*cuda*.json",
     ),
     Benchmark(
         "engine-llama", "bench.engine",

@@ -427,6 +427,8 @@ def test_whisper_large_cross_attention_shape_on_cuda(dtype: torch.dtype) -> None
 
 
 @pytest.mark.gpu
+# torch's cudagraph trees capture an empty graph when their manager starts (the reference's auto-compile).
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 @pytest.mark.parametrize("name", ["llama-small", "whisper-small"])
 def test_bf16_greedy_agrees_with_sdpa_over_128_tokens(
     name: str, record_property: Callable[[str, object], None]
@@ -453,6 +455,7 @@ def test_bf16_greedy_agrees_with_sdpa_over_128_tokens(
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
+@pytest.mark.filterwarnings("ignore:Warning\\: Profiler clears events:UserWarning")  # torch's profiler's note
 @pytest.mark.parametrize("name", ["llama-small", "whisper-small"])
 def test_compiled_step_captures_the_op_in_cuda_graphs(name: str) -> None:
     """`cachelife.generate` (a fullgraph-compiled step in cachelife's CUDA graphs), fp32, with the op in every
