@@ -8,6 +8,7 @@ Triton (or without `TRITON_INTERPRET=1`) the op runs its torch fallback; with bo
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -152,3 +153,19 @@ def test_a_model_with_a_part_of_its_own_attention_is_refused_before_anything_cha
     assert not any("cachelife_fused" in name for name, _ in model.named_buffers())
     cachelife.enable(model, fuse_projections=True)  # the settings were left as they were: this fuses
     assert any("cachelife_fused" in name for name, _ in model.named_buffers())
+
+
+def test_the_kernel_on_cuda_is_enabled_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = zoo.build("llama").model
+    with caplog.at_level(logging.WARNING, logger="cachelife"):
+        cachelife.enable(model, decode_attention=True)
+    assert "experimental" not in caplog.text  # on the CPU: its interpreter and torch paths are tested
+    cachelife.disable(model)
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    with caplog.at_level(logging.WARNING, logger="cachelife"):
+        cachelife.enable(model, decode_attention=True)
+    assert "decode_attention=True on CUDA is experimental" in caplog.text
+    monkeypatch.undo()
+    cachelife.disable(model)
