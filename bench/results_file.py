@@ -29,8 +29,11 @@ DEFAULT_OUT = os.environ.get("OUT", str(ROOT / "bench" / "results"))
 
 
 def source_state() -> dict[str, object]:
-    """The commit the benchmark ran at and whether the tree had changes (git; on a machine that got a copy of
-    the tree without git, the environment variables CACHELIFE_COMMIT and CACHELIFE_DIRTY say it)."""
+    """The commit the benchmark ran at and whether the tree had changes: the environment variables
+    CACHELIFE_COMMIT and CACHELIFE_DIRTY where set (a machine that got a copy of the tree, whose git, if any, is
+    not the tree's), else git."""
+    if "CACHELIFE_COMMIT" in os.environ:
+        return {"commit": os.environ["CACHELIFE_COMMIT"], "dirty": os.environ.get("CACHELIFE_DIRTY", "unknown")}
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10
@@ -41,10 +44,7 @@ def source_state() -> dict[str, object]:
         ).stdout  # fmt: skip
         return {"commit": commit, "dirty": bool(status.strip())}
     except (OSError, subprocess.SubprocessError):
-        return {
-            "commit": os.environ.get("CACHELIFE_COMMIT", "unknown"),
-            "dirty": os.environ.get("CACHELIFE_DIRTY", "unknown"),
-        }
+        return {"commit": "unknown", "dirty": "unknown"}
 
 
 def header(benchmark: str, device: torch.device) -> dict[str, Any]:
