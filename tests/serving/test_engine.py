@@ -173,9 +173,9 @@ def test_a_failing_request_fails_alone(llama: zoo.ZooModel) -> None:
 
 
 def test_a_cancelled_request_leaves_its_row(llama: zoo.ZooModel) -> None:
-    long = {**llama.inputs(1, 4, 0), "max_new_tokens": 30}
+    long = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200}  # no early end
     short = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
-    with Engine(llama.model, rows=1, max_length=40, compile_step=False) as engine:
+    with Engine(llama.model, rows=1, max_length=256, compile_step=False) as engine:
         first = engine.submit(**long)
         _until(lambda: engine.stats().decoding == 1)
         assert first.cancel()
@@ -188,8 +188,10 @@ def test_a_cancelled_request_leaves_its_row(llama: zoo.ZooModel) -> None:
 
 
 def test_a_request_past_its_timeout_fails_with_a_timeout(llama: zoo.ZooModel) -> None:
-    with Engine(llama.model, rows=1, max_length=64, compile_step=False) as engine:
-        blocking = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=60)
+    # The only row is busy for a few hundred steps: the late request is still waiting at its first check.
+    with Engine(llama.model, rows=1, max_length=256, compile_step=False) as engine:
+        blocking = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=250, min_new_tokens=250)
+        _until(lambda: engine.stats().decoding == 1)
         late = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=4, timeout=0.01)
         with pytest.raises(RequestTimeoutError, match=r"timeout of 0\.01 s"):
             late.result(timeout=120)
@@ -208,15 +210,16 @@ def test_a_full_queue_refuses_at_once(llama: zoo.ZooModel) -> None:
 
 
 def test_close_fails_what_waits_and_finishes_what_decodes(llama: zoo.ZooModel) -> None:
-    engine = Engine(llama.model, rows=1, max_length=64, compile_step=False)
-    decoding = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=40)
+    long = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200}  # no early end
+    engine = Engine(llama.model, rows=1, max_length=256, compile_step=False)
+    decoding = engine.submit(**long)
     _until(lambda: engine.stats().decoding == 1)
     waiting = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=4)
     _until(lambda: engine.stats().waiting == 1)
     engine.close()
-    assert torch.equal(decoding.result(timeout=1), alone(llama.model, **llama.inputs(1, 4, 0), max_new_tokens=40))
+    assert torch.equal(decoding.result(timeout=60), alone(llama.model, **long))
     with pytest.raises(EngineClosedError, match="before the request got a row"):
-        waiting.result(timeout=1)
+        waiting.result(timeout=60)
     with pytest.raises(EngineClosedError, match="takes no new requests"):
         engine.submit(**llama.inputs(1, 4, 2), max_new_tokens=2)
 
