@@ -23,6 +23,7 @@ from cachelife.errors import (
 )
 from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
+from cachelife.serving.batch import Batch
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 
@@ -274,3 +275,24 @@ def _until(condition: Any, seconds: float = 60) -> None:
         if time.monotonic() > deadline:
             pytest.fail("the engine did not get there in time")
         time.sleep(0.01)
+
+
+def test_a_failure_after_the_prefill_fails_the_batch_and_the_engine_goes_on(
+    llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy_row = Batch._copy_row
+    failures = iter([RuntimeError("a copy failed")])
+
+    def failing_once(self: Batch, *args: Any) -> None:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        copy_row(self, *args)
+
+    monkeypatch.setattr(Batch, "_copy_row", failing_once)
+    later = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
+    with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
+        with pytest.raises(RuntimeError, match="a copy failed"):
+            engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3).result(timeout=60)
+        assert torch.equal(engine.submit(**later).result(timeout=60), alone(llama.model, **later))
+        _until(lambda: engine.stats().held == 0)

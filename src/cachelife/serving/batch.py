@@ -111,6 +111,24 @@ class Batch:
             slot.move("fail", Free())
             hand_back(joining, error=error)
             return
+        try:
+            start = self._place(row, joining, placement, program=program, logits=logits, encoder=encoder)
+        except BaseException as error:
+            # A roll moves every row: past the prefill, a failure leaves the batch's buffers in doubt, and the
+            # scheduler fails every row after this one.
+            self.rows.free(row)
+            slot.move("fail", Free())
+            hand_back(joining, error=error)
+            raise
+        slot.move("start", Decoding(joining.request.number, start))
+        self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1)
+
+    def _place(
+        self, row: int, joining: Joining, placement: Placement, *, program: Program, logits: torch.Tensor,
+        encoder: _EncoderRow | None,
+    ) -> int:  # fmt: skip
+        """Move the rows as the placement says, copy the prefill into `row`, pick the first token; the row's
+        first slot."""
         self.program = program
         if placement.shift:
             self._roll(placement.shift)
@@ -123,8 +141,7 @@ class Batch:
         for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
             buffer[row] = value
         self._first_token(row, joining, logits, program)
-        slot.move("start", Decoding(joining.request.number, start))
-        self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1)
+        return start
 
     def advance(self) -> None:
         """One call of the step for every row (`steps_per_call` steps; a graph's first call runs one)."""
