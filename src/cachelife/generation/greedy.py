@@ -73,12 +73,25 @@ def choose_and_append(
         scores = processor(state.tokens, state.length, scores)
     if record is not None:
         record.keep(state.length, running, scores, logits)
-    token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1) if choice.do_sample else scores.argmax(dim=-1)
-    unfinished = state.unfinished
-    if choice.eos is not None:
-        token = torch.where(unfinished, token, choice.pad)
-        unfinished = unfinished & ~torch.isin(token, choice.eos)
-    column = torch.arange(state.tokens.shape[1], device=token.device) == state.length
-    state.tokens.copy_(torch.where(column[None, :] & running, token[:, None], state.tokens))
-    state.unfinished.copy_(torch.where(running, unfinished, state.unfinished))
-    state.length.add_(running.long())
+    pick_and_append(
+        state.tokens, state.length, state.unfinished, scores, noise=noise, running=running, do_sample=choice.do_sample,
+        eos=choice.eos, pad=choice.pad,
+    )  # fmt: skip
+
+
+def pick_and_append(
+    tokens: torch.Tensor, length: torch.Tensor, unfinished: torch.Tensor, scores: torch.Tensor, *,
+    noise: torch.Tensor, running: torch.Tensor, do_sample: bool, eos: torch.Tensor | None, pad: int,
+) -> None:  # fmt: skip
+    """Pick a token per row from processed `scores` (argmax, or an exponential race against `noise`), pad it
+    for rows that had ended, and write it at `length` where `running`: the rule of `choose_and_append` and of
+    the engine's rows, whose `length` and `running` are one per row (0-dim here: the same for every row)."""
+    token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1) if do_sample else scores.argmax(dim=-1)
+    ended = unfinished
+    if eos is not None:
+        token = torch.where(unfinished, token, pad)
+        ended = unfinished & ~torch.isin(token, eos)
+    column = torch.arange(tokens.shape[1], device=token.device)[None, :] == length.reshape(-1, 1)
+    tokens.copy_(torch.where(column & running.reshape(-1, 1), token[:, None], tokens))
+    unfinished.copy_(torch.where(running, ended, unfinished))
+    length.add_(running.long())

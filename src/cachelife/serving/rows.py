@@ -21,6 +21,7 @@ import torch
 from attrs import frozen
 from transformers import PreTrainedModel
 
+from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.processors import Called, TensorProcessor
 from cachelife.generation.rewrites import ForceAt, NoEosBefore, RepetitionPenalty, SuppressAtBegin
 
@@ -187,15 +188,10 @@ def choose(
     scores = logits
     for processor in program.processors:
         scores = processor(rows.tokens, length, scores)
-    token = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1) if program.do_sample else scores.argmax(dim=-1)
-    unfinished = rows.unfinished
-    if program.eos is not None:
-        token = torch.where(unfinished, token, program.pad)
-        unfinished = unfinished & ~torch.isin(token, program.eos)
-    column = torch.arange(rows.tokens.shape[1], device=token.device)[None, :] == rows.length[:, None]
-    rows.tokens.copy_(torch.where(column & running[:, None], token[:, None], rows.tokens))
-    rows.unfinished.copy_(torch.where(running, unfinished, rows.unfinished))
-    rows.length.add_(running.long())
+    pick_and_append(
+        rows.tokens, rows.length, rows.unfinished, scores, noise=noise, running=running, do_sample=program.do_sample,
+        eos=program.eos, pad=program.pad,
+    )  # fmt: skip
 
 
 def _settings(processor: TensorProcessor) -> object:
