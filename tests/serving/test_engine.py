@@ -123,6 +123,41 @@ def test_graphs_of_several_steps_keep_every_row_on_its_own_draws(llama: zoo.ZooM
         assert torch.equal(result, expected), index
 
 
+@pytest.mark.parametrize(("name", "options"), [("whisper", {}), ("t5", {"encoder_length": 16})])
+def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
+    name: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under (stand-in) graphs an encoder-decoder model's prefill is captured once per decoder prompt shape
+    # and replayed for every later newcomer, never through transformers' eager `_prefill`; each request still
+    # equals its own generate, so the replays write the self- and cross-attention keys and values anew.
+    built = build(name)
+    requests = list(requests_of(built, 6))
+    if name == "whisper":
+        for index, request in enumerate(requests):
+            request["language"] = ("en", "de", "fr")[index % 3]
+    expected = [alone(built.model, **request) for request in requests]
+    captured: list[object] = []
+
+    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
+        warm_up()
+        captured.append(calls)
+        return _Replayed(calls)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: function)
+
+    def no_eager_prefill(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the engine ran transformers' eager prefill")
+
+    monkeypatch.setattr(type(built.model), "_prefill", no_eager_prefill)
+    with Engine(built.model, rows=2, max_length=40, **options) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
+    assert len(captured) == 2  # the decoding step's graph and one prefill graph (one decoder prompt length)
+    for want, got in zip(expected, results, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel) -> None:
     sampling = {"do_sample": True, "top_k": 0, "temperature": 0.8}
     requests = [{**request, **sampling} for request in requests_of(llama, 4)]

@@ -156,7 +156,9 @@ class GraphedSteps:
 
     `call(index, settings)` runs the step once, the index-th of a graph, with `settings` (this call's or
     the captured ones); `in_place` is what the step updates or reads as it is (it must keep its addresses),
-    `settings` what it reads and may differ in value from call to call."""
+    `settings` what it reads and may differ in value from call to call. `rewind`, if given, undoes the
+    warm-up's effect before the capture (a prefill's cache, whose host-side flags decide what the model
+    computes and so what is captured); the first call then replays the new graph."""
 
     model: object
     name: str
@@ -165,6 +167,7 @@ class GraphedSteps:
     in_place: object
     settings: object
     device: torch.device
+    rewind: Callable[[], None] | None = None
     _replay: Callable[[], None] | None = None
 
     def advance(self) -> int:
@@ -194,11 +197,16 @@ class GraphedSteps:
             for index in range(current.calls):
                 current.call(index, entry.settings)
 
+        def warm_up() -> None:
+            self.call(0, self.settings)
+            if self.rewind is not None:
+                self.rewind()
+
         with FIRST_CALLS:
             if runtime.graph_memory is None and self.device.type == "cuda":
                 runtime.graph_memory = torch.cuda.graph_pool_handle()
             memory = runtime.graph_memory
-            entry.graph = capture(lambda: self.call(0, self.settings), calls, self.device, memory)  # type: ignore[arg-type]  # a graph_pool_handle
+            entry.graph = capture(warm_up, calls, self.device, memory)  # type: ignore[arg-type]  # a graph_pool_handle
         runtime.graphs.put(key, entry)
         runtime.captures += 1
         logger.debug(
@@ -206,6 +214,8 @@ class GraphedSteps:
             self.calls, self.name, type(self.model).__name__, runtime.captures, len(runtime.graphs),
         )  # fmt: skip
         self._replay = entry.graph.replay
+        if self.rewind is not None:  # the warm-up's step was undone: run it from the graph
+            return self.advance()
         return 1
 
 

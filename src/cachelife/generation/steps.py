@@ -137,10 +137,12 @@ def stepper(
     in_place: object,
     read_only: object,
     settings: LoopSettings,
+    rewind: Callable[[], None] | None = None,
 ) -> Callable[[], int]:
     """A function that runs the next decoding steps and returns how many it ran: replays of a graph that
     cachelife captured (CUDA, `cuda_graphs="cachelife"`), or calls of the step compiled with `steps_per_call`
-    steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly."""
+    steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly. `rewind` is
+    `GraphedSteps`'."""
     spc, device = settings.steps_per_call, model.device
     if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
         if pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
@@ -155,7 +157,7 @@ def stepper(
         graph_name = f"{name} with {dict(sorted(options.items()))}" if options else name
         graphed = GraphedSteps(
             model, graph_name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
-            read_only, device,
+            read_only, device, rewind,
         )  # fmt: skip
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"

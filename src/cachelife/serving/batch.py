@@ -1,6 +1,6 @@
 """The engine's batch: its pinned caches, its rows and their slots, run by the scheduler thread alone.
 
-`join` writes a newcomer's prompt into a free row at a step boundary: transformers' prefill runs on a pinned
+`join` writes a newcomer's prompt into a free row at a step boundary: the prefill (`prefill`) runs on a pinned
 scratch cache of one row, whose keys and values are copied into the row so that the prompt ends just before
 the batch's write slot (`window`), its encoder keys and values whole; the first token is picked as
 `cachelife.generate` picks it. `advance` runs one call of the program's step for every row, `collect` hands
@@ -28,6 +28,7 @@ from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.integration.buckets import check_bucketable
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.runtime import FIRST_CALLS
+from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining, hand_back
 from cachelife.serving.rows import Program, Rows, StepNames, build_program, choose, engine_steps, row_values
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
@@ -68,6 +69,7 @@ class Batch:
                                           encoder_length=self.encoder_length)  # fmt: skip
         self.scratch = prepare_static_cache(model, batch_size=1, max_cache_len=self.width,
                                             encoder_length=self.encoder_length)  # fmt: skip
+        self.prefill = Prefill(model, self.scratch, settings, self.vocab)
         if is_encoder_decoder_cache(self.cache):  # every row's encoder keys and values are written at its join
             for index in range(len(lifecycle(self.cache).cross_attention)):
                 self.cache.is_updated[index] = True
@@ -216,17 +218,15 @@ class Batch:
         )  # fmt: skip
 
     def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:
-        """The newcomer's prompt through transformers' prefill on the scratch cache: its last logits, and its
-        encoder output (and mask) at the engine's encoder length."""
+        """The newcomer's prompt through the prefill on the scratch cache: its last logits, and its encoder
+        output (and mask) at the engine's encoder length."""
         lifecycle(self.scratch).reset()
         kwargs = dict(joining.model_kwargs)
         for stale in ("cache", "past_key_values"):
             kwargs.pop(stale, None)
         kwargs[self.names.cache] = self.scratch
         encoder = None if self.encoder_length is None else self._encoder_inputs(kwargs, self.encoder_length)
-        outputs = self.model._prefill(joining.input_ids, joining.config, kwargs)
-        logits: torch.Tensor = outputs["logits"]
-        return logits[:, -1].to(torch.float32), encoder
+        return self.prefill(joining.input_ids, joining.config, kwargs), encoder
 
     def _encoder_inputs(self, kwargs: dict[str, Any], width: int) -> _EncoderRow:
         """The newcomer's encoder output (and mask) padded to the engine's encoder length, in `kwargs`."""

@@ -1,0 +1,133 @@
+"""The engine's prefill: a newcomer's decoder prompt through the model, on the pinned one-row scratch cache.
+
+transformers' `_prefill` prepares the forward's inputs (`prepare_inputs_for_generation`) and runs the forward
+eagerly: for a deep decoder that costs the host far more than the GPU, and the engine's scheduler prefills
+every request in turn. With cachelife's CUDA graphs, an encoder-decoder model's prefill here prepares the
+inputs as transformers does, copies them into static twins, and replays a graph of the compiled forward,
+captured once per shape of those inputs (every Whisper request of one decoder prompt length, every T5
+request, shares one). Decoder-only prompts differ in length from request to request, and the other settings
+(eager or compiled steps without cachelife's graphs) run transformers' own prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from cachelife.core.cache_lifecycle import lifecycle
+from cachelife.generation.graphs import captures_on
+from cachelife.generation.steps import LoopSettings, stepper
+
+logger = logging.getLogger(__name__)
+
+MAX_SHAPES: Final = 8
+"""Decoder prompt shapes with a graph of their own; a request of another shape is prefilled eagerly."""
+
+
+def prefill_forward(model: PreTrainedModel, *, inputs: dict[str, Any], logits: torch.Tensor) -> None:
+    """The forward on prepared inputs, its last position's logits written into `logits` (the function that
+    gets compiled and captured)."""
+    output = model(**inputs, return_dict=True)
+    logits.copy_(output.logits[:, -1])
+
+
+class Prefill:
+    """Prefills for one engine's scratch cache (see the module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, scratch: object, settings: LoopSettings, vocab: int) -> None:
+        self.model, self.scratch, self.settings = model, scratch, settings
+        self.captures = (
+            bool(model.config.is_encoder_decoder)
+            and settings.compile_step
+            and settings.cuda_graphs == "cachelife"
+            and captures_on(model.device)
+        )
+        self.logits = torch.zeros(1, vocab, dtype=torch.float32, device=model.device)
+        torch._dynamo.mark_static_address(self.logits)
+        # shape key -> (static inputs, the function that runs the forward on them)
+        self.shapes: dict[tuple[object, ...], tuple[dict[str, Any], Callable[[], int]]] = {}
+
+    def __call__(self, input_ids: torch.Tensor, config: GenerationConfig, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The prompt's last logits (1, vocab; float32) after filling the (reset) scratch cache; the tensor is
+        reused by the next prefill."""
+        if self.captures and getattr(config, "prefill_chunk_size", None) is None:
+            # The scratch cache is empty, so transformers' `_prefill` would slice nothing off the prompt.
+            inputs = self.model.prepare_inputs_for_generation(
+                input_ids, next_sequence_length=None, is_first_iteration=True, **kwargs
+            )
+            key = self._shape_key(inputs)
+            if key is not None:
+                found = self.shapes.get(key)
+                if found is None and len(self.shapes) < MAX_SHAPES:
+                    found = self.shapes[key] = self._graphed(inputs)
+                if found is not None:
+                    twins, advance = found
+                    _copy_into(twins, inputs)
+                    advance()
+                    return self.logits
+                logger.debug(
+                    "cachelife.Engine: %d prompt shapes have graphs; this one is prefilled eagerly", MAX_SHAPES
+                )
+        outputs = self.model._prefill(input_ids, config, kwargs)
+        logits: torch.Tensor = outputs["logits"]
+        self.logits.copy_(logits[:, -1])
+        return self.logits
+
+    def _shape_key(self, inputs: dict[str, Any]) -> tuple[object, ...] | None:
+        """What a graph of the forward on `inputs` depends on, or None for inputs without static twins."""
+        key: list[object] = []
+        for name, value in sorted(inputs.items()):
+            if isinstance(value, torch.Tensor):
+                key.append((name, value.shape, value.dtype))
+            elif isinstance(value, BaseModelOutput) and (hidden := _only_hidden(value)) is not None:
+                key.append((name, "encoder output", hidden.shape, hidden.dtype))
+            elif value is self.scratch:
+                key.append((name, "scratch cache"))
+            elif value is None or isinstance(value, bool | int | str):
+                key.append((name, value))
+            else:
+                return None
+        return tuple(key)
+
+    def _graphed(self, inputs: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], int]]:
+        twins = {name: _twin(value) for name, value in inputs.items()}
+
+        def arguments(index: int, steps: int, settings: object) -> dict[str, Any]:
+            return {"model": self.model, "inputs": twins, "logits": self.logits}
+
+        advance = stepper(
+            self.model, "engine prefill", prefill_forward, arguments,
+            in_place=(self.model, self.scratch, twins, self.logits), read_only=(), settings=self.settings,
+            rewind=lambda: lifecycle(self.scratch).reset(),
+        )  # fmt: skip
+        return twins, advance
+
+
+def _only_hidden(output: BaseModelOutput) -> torch.Tensor | None:
+    """The encoder output's hidden state, if it holds nothing else."""
+    hidden = output.last_hidden_state
+    return hidden if list(output.keys()) == ["last_hidden_state"] and isinstance(hidden, torch.Tensor) else None
+
+
+def _twin(value: Any) -> Any:
+    """A static tensor of `value`'s shape and dtype (an encoder output's hidden state too); anything else kept."""
+    if isinstance(value, torch.Tensor):
+        twin = torch.zeros_like(value)
+        torch._dynamo.mark_static_address(twin)
+        return twin
+    if isinstance(value, BaseModelOutput):
+        return BaseModelOutput(last_hidden_state=_twin(_only_hidden(value)))
+    return value
+
+
+def _copy_into(twins: dict[str, Any], inputs: dict[str, Any]) -> None:
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            twins[name].copy_(value)
+        elif isinstance(value, BaseModelOutput):
+            twins[name].last_hidden_state.copy_(_only_hidden(value))
