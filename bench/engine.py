@@ -15,8 +15,9 @@ random features) are served, per path:
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
 A warm-up (every request once for the one-at-a-time paths, one request for the engine) compiles and
 captures before anything is timed. Per path: wall seconds, new tokens per second, each request's latency
-(submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), and how many requests'
-tokens equal `sequential`'s (in bf16 a batch's matrix products may round otherwise than one row's, so near
+(submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), for the engine the steps
+and joins of that run and the scheduler's seconds spent admitting newcomers and running steps, and how many
+requests' tokens equal `sequential`'s (in bf16 a batch's matrix products may round otherwise than one row's, so near
 ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
@@ -113,6 +114,30 @@ def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int)
     return time.perf_counter() - started, latencies, outputs
 
 
+def engine_runs(
+    out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
+    new: int,
+) -> None:  # fmt: skip
+    """One engine, warmed up, then every request from each `--clients` count of client threads."""
+    longest = int(args.new_tokens.split(",")[1])
+    prompts = [int(r["input_ids"].shape[1]) for r in requests if "input_ids" in r]
+    options = {"rows": args.rows, "max_length": max(prompts, default=8) + longest + 8,
+               "queue_size": max(64, args.requests), "steps_per_call": args.steps_per_call}  # fmt: skip
+    with cachelife.Engine(model, **options) as engine:
+        engine.submit(**requests[0]).result()  # warm-up: compile and capture
+        for clients in (int(c) for c in args.clients.split(",")):
+            before = engine.stats()
+            wall, latencies, outputs = with_engine(engine, requests, clients)
+            after = engine.stats()
+            same = [reference is not None and torch.equal(got, want)
+                    for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
+            out.add({**summary(f"engine_c{clients}", wall, latencies, new), "clients": clients,
+                     "equal_to_sequential": all(same), "requests_equal": sum(same),
+                     "steps": after.steps - before.steps, "joins": after.joins - before.joins,
+                     "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
+                     "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4)})  # fmt: skip
+
+
 def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--model", default="whisper-large-v3", choices=sorted({*MODEL_NAMES, *zoo.MODEL_NAMES}))
@@ -150,18 +175,7 @@ def main() -> int:
         wall, latencies, reference = one_at_a_time(ours, requests, device)
         out.add({**summary("sequential", wall, latencies, new), "lone_ms": round(1000 * latencies[0], 2)})
     if "engine" in paths:
-        prompts = [int(r["input_ids"].shape[1]) for r in requests if "input_ids" in r]
-        options = {"rows": args.rows, "max_length": max(prompts, default=8) + longest + 8,
-                   "queue_size": max(64, args.requests), "steps_per_call": args.steps_per_call}  # fmt: skip
-        with cachelife.Engine(model, **options) as engine:
-            engine.submit(**requests[0]).result()  # warm-up: compile and capture
-            for clients in (int(c) for c in args.clients.split(",")):
-                wall, latencies, outputs = with_engine(engine, requests, clients)
-                same = [reference is not None and torch.equal(got, want)
-                        for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
-                out.add({**summary(f"engine_c{clients}", wall, latencies, new), "clients": clients,
-                         "equal_to_sequential": all(same), "requests_equal": sum(same),
-                         "steps": engine.stats().steps})  # fmt: skip
+        engine_runs(out, model, requests, args, reference=reference, new=new)
     if "auto" in paths:
         auto = auto_compile(device)
 

@@ -233,10 +233,10 @@ _ENTRIES = (
     Benchmark(
         "engine-whisper", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,4,16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "16,64"),
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--paths", "engine,sequential,auto"),
         "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 64 requests of 16-64 new tokens "
-        "from 1, 4, 16 and 64 client threads against sequential cachelife.generate; throughput and latency "
-        "p50/p99, tokens checked equal",
+        "from 1, 4, 16 and 64 client threads against sequential cachelife.generate and model.generate with "
+        "auto-compile; throughput and latency p50/p99, tokens checked equal",
         "cuda", "engine-whisper-large-v3-cuda*.json",
     ),
     Benchmark(

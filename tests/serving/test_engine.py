@@ -63,6 +63,10 @@ def test_concurrent_requests_each_equal_their_own_generate(name: str, options: d
     with Engine(built.model, rows=3, max_length=40, compile_step=False, **options) as engine:
         futures = [engine.submit(**request) for request in requests]
         results = [future.result(timeout=120) for future in futures]
+        stats = engine.stats()
+    assert stats.joins == len(requests)
+    assert stats.join_seconds > 0
+    assert stats.step_seconds > 0
     for request, result in zip(requests, results, strict=True):
         assert torch.equal(result, alone(built.model, **request))
 

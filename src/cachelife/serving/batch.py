@@ -84,6 +84,7 @@ class Batch:
         self.slot = 0  # where every row writes its next key and value
         self.steps = 0
         self.moves = 0
+        self.joins = 0
 
     def has_room_for(self, joining: Joining) -> Placement | None:
         """Where `joining` goes if it may join now: a free row, the same program, room in the cache."""
@@ -123,6 +124,7 @@ class Batch:
             hand_back(joining, error=error)
             raise
         slot.move("start", Decoding(joining.request.number, start))
+        self.joins += 1
         self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1)
 
     def _place(

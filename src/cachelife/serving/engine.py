@@ -54,7 +54,9 @@ logger = logging.getLogger(__name__)
 @frozen
 class EngineStats:
     """A snapshot: rows decoding, prepared requests waiting for a row, requests held (submitted, not done),
-    steps run, the cache's write slot, and how often the rows' content was moved to make room."""
+    steps run, the cache's write slot, how often the rows' content was moved to make room, requests that
+    joined a row, and the scheduler's wall seconds spent so far admitting newcomers (prefill, placement, first
+    token) and running steps (calls of the step, hand-backs)."""
 
     decoding: int
     waiting: int
@@ -62,6 +64,9 @@ class EngineStats:
     steps: int
     slot: int
     moves: int
+    joins: int
+    join_seconds: float
+    step_seconds: float
 
 
 class Engine:
@@ -103,6 +108,7 @@ class Engine:
         self._numbers = itertools.count()
         self._capacity = rows + queue_size
         self._held = 0
+        self._join_seconds = self._step_seconds = 0.0
         self._waiting: deque[Joining] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -151,7 +157,10 @@ class Engine:
     def stats(self) -> EngineStats:
         batch = self._batch
         with self._lock:
-            return EngineStats(len(batch.seats), len(self._waiting), self._held, batch.steps, batch.slot, batch.moves)
+            return EngineStats(
+                len(batch.seats), len(self._waiting), self._held, batch.steps, batch.slot, batch.moves, batch.joins,
+                self._join_seconds, self._step_seconds,
+            )  # fmt: skip
 
     def close(self, *, wait: bool = True) -> None:
         """Take no new requests; requests already decoding finish, the others fail with `EngineClosedError`."""
@@ -265,9 +274,13 @@ class Engine:
             if self._closed and not batch.seats:
                 return False
         try:
+            started = time.perf_counter()
             self._admit()
+            admitted = time.perf_counter()
             batch.advance()
             batch.collect()
+            self._join_seconds += admitted - started
+            self._step_seconds += time.perf_counter() - admitted
         except Exception as error:  # a step's failure is every decoding row's
             logger.exception("cachelife.Engine: a step failed; its %d rows fail with it", len(batch.seats))
             batch.fail_all(error)
