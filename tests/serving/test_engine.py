@@ -127,9 +127,10 @@ def test_graphs_of_several_steps_keep_every_row_on_its_own_draws(llama: zoo.ZooM
         assert torch.equal(result, expected), index
 
 
+@pytest.mark.parametrize("steps_per_call", [1, 3])
 @pytest.mark.parametrize(("name", "options"), [("whisper", {}), ("t5", {"encoder_length": 16})])
 def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
-    name: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    name: str, options: dict[str, Any], steps_per_call: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Under (stand-in) graphs an encoder-decoder model's prefill is captured once per decoder prompt shape
     # and replayed for every later newcomer, never through transformers' eager `_prefill`; each request still
@@ -139,7 +140,7 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
     if name == "whisper":
         for index, request in enumerate(requests):
             request["language"] = ("en", "de", "fr")[index % 3]
-    expected = [alone(built.model, **request) for request in requests]
+    expected = [alone(built.model, **request, steps_per_call=steps_per_call) for request in requests]
     captured: list[object] = []
 
     def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
@@ -155,7 +156,7 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
         raise AssertionError("the engine ran transformers' eager prefill")
 
     monkeypatch.setattr(type(built.model), "_prefill", no_eager_prefill)
-    with Engine(built.model, rows=2, max_length=40, **options) as engine:
+    with Engine(built.model, rows=2, max_length=40, steps_per_call=steps_per_call, **options) as engine:
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
     assert len(captured) == 2  # the decoding step's graph and one prefill graph (one decoder prompt length)
     for want, got in zip(expected, results, strict=True):

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Final
 
+import attrs
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
@@ -40,7 +41,8 @@ class Prefill:
     """Prefills for one engine's scratch cache (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, scratch: object, settings: LoopSettings, vocab: int) -> None:
-        self.model, self.scratch, self.settings = model, scratch, settings
+        # One forward per graph, whatever the engine's steps per call.
+        self.model, self.scratch, self.settings = model, scratch, attrs.evolve(settings, steps_per_call=1)
         self.captures = (
             bool(model.config.is_encoder_decoder)
             and settings.compile_step
