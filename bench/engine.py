@@ -24,7 +24,9 @@ Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not
 
 from __future__ import annotations
 
+import cProfile
 import math
+import pstats
 import statistics
 import sys
 import threading
@@ -40,6 +42,7 @@ from bench.decode import auto_compile
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, synchronize
+from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
@@ -114,6 +117,27 @@ def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int)
     return time.perf_counter() - started, latencies, outputs
 
 
+def profile_scheduler(path: str) -> None:
+    """Run every engine's scheduler thread under cProfile, its statistics written to `path` (and a text
+    summary beside it) when the engine closes: where the scheduler's host time goes."""
+    serve = Engine._serve
+
+    def profiled(self: Engine) -> None:
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            serve(self)
+        finally:
+            profile.disable()
+            profile.dump_stats(path)
+            with open(f"{path}.txt", "w") as text:
+                stats = pstats.Stats(profile, stream=text)
+                stats.sort_stats("cumulative").print_stats(60)
+                stats.sort_stats("tottime").print_stats(40)
+
+    Engine._serve = profiled  # type: ignore[method-assign]  # a benchmark's instrument
+
+
 def engine_runs(
     out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
     new: int,
@@ -123,6 +147,8 @@ def engine_runs(
     prompts = [int(r["input_ids"].shape[1]) for r in requests if "input_ids" in r]
     options = {"rows": args.rows, "max_length": max(prompts, default=8) + longest + 8,
                "queue_size": max(64, args.requests), "steps_per_call": args.steps_per_call}  # fmt: skip
+    if args.profile_scheduler:
+        profile_scheduler(args.profile_scheduler)
     with cachelife.Engine(model, **options) as engine:
         engine.submit(**requests[0]).result()  # warm-up: compile and capture
         for clients in (int(c) for c in args.clients.split(",")):
@@ -148,6 +174,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", default="16,64")
     parser.add_argument("--paths", default="engine,sequential")
     parser.add_argument("--steps-per-call", type=int, default=1, help="for the engine and sequential paths")
+    parser.add_argument(
+        "--profile-scheduler", default="", help="write cProfile statistics of the engine's scheduler thread here"
+    )
     args = parser.parse_args()
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
