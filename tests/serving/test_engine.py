@@ -23,7 +23,7 @@ from cachelife.errors import (
 )
 from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
-from cachelife.serving.batch import Batch
+from cachelife.serving.row_writes import RowWrites
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 
@@ -133,8 +133,9 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
     name: str, options: dict[str, Any], steps_per_call: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Under (stand-in) graphs an encoder-decoder model's prefill is captured once per decoder prompt shape
-    # and replayed for every later newcomer, never through transformers' eager `_prefill`; each request still
-    # equals its own generate, so the replays write the self- and cross-attention keys and values anew.
+    # and replayed for every later newcomer, never through transformers' eager `_prefill`, and so are the
+    # writes of its keys and values into its row; each request still equals its own generate, so the replays
+    # write the self- and cross-attention keys and values anew, in the newcomer's row.
     built = build(name)
     requests = list(requests_of(built, 6))
     if name == "whisper":
@@ -158,7 +159,8 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
     monkeypatch.setattr(type(built.model), "_prefill", no_eager_prefill)
     with Engine(built.model, rows=2, max_length=40, steps_per_call=steps_per_call, **options) as engine:
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
-    assert len(captured) == 2  # the decoding step's graph and one prefill graph (one decoder prompt length)
+    # The decoding step's graph, one prefill graph (one decoder prompt length) and the row writes' graph.
+    assert len(captured) == 3
     for want, got in zip(expected, results, strict=True):
         assert torch.equal(got, want)
 
@@ -320,16 +322,16 @@ def _until(condition: Any, seconds: float = 60) -> None:
 def test_a_failure_after_the_prefill_fails_the_batch_and_the_engine_goes_on(
     llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    copy_row = Batch._copy_row
+    write = RowWrites.write
     failures = iter([RuntimeError("a copy failed")])
 
-    def failing_once(self: Batch, *args: Any) -> None:
+    def failing_once(self: RowWrites, *args: Any) -> None:
         error = next(failures, None)
         if error is not None:
             raise error
-        copy_row(self, *args)
+        write(self, *args)
 
-    monkeypatch.setattr(Batch, "_copy_row", failing_once)
+    monkeypatch.setattr(RowWrites, "write", failing_once)
     later = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
     with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
         with pytest.raises(RuntimeError, match="a copy failed"):

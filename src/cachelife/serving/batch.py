@@ -19,7 +19,6 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
-from cachelife.core.layer_lifecycle import LayerLifecycle
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
 from cachelife.generation.arguments import eos_ids, special_tokens
@@ -30,6 +29,7 @@ from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.runtime import FIRST_CALLS
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining, hand_back
+from cachelife.serving.row_writes import RowWrites, layer_tensors
 from cachelife.serving.rows import Program, Rows, StepNames, build_program, choose, engine_steps, row_values
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.window import Occupant, Placement, place
@@ -70,6 +70,7 @@ class Batch:
         self.scratch = prepare_static_cache(model, batch_size=1, max_cache_len=self.width,
                                             encoder_length=self.encoder_length)  # fmt: skip
         self.prefill = Prefill(model, self.scratch, settings, self.vocab)
+        self.writes = RowWrites(model, self.cache, self.scratch, settings)
         if is_encoder_decoder_cache(self.cache):  # every row's encoder keys and values are written at its join
             for index in range(len(lifecycle(self.cache).cross_attention)):
                 self.cache.is_updated[index] = True
@@ -137,10 +138,12 @@ class Batch:
         if placement.shift:
             self._roll(placement.shift)
         self.slot = placement.slot
-        for layer in lifecycle(self.cache).self_attention:
-            layer.layer.cumulative_length.fill_(self.slot)
         start = self.slot - joining.prompt
-        self._copy_row(row, start, joining.prompt, encoder)
+        self.writes.write(row, start, self.slot)
+        if encoder is not None:
+            self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
+            if encoder.mask is not None:
+                self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
         self.rows.start(row, joining.input_ids, joining.max_length, start)
         for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
             buffer[row] = value
@@ -222,7 +225,6 @@ class Batch:
     def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:
         """The newcomer's prompt through the prefill on the scratch cache: its last logits, and its encoder
         output (and mask) at the engine's encoder length."""
-        lifecycle(self.scratch).reset()
         kwargs = dict(joining.model_kwargs)
         for stale in ("cache", "past_key_values"):
             kwargs.pop(stale, None)
@@ -253,20 +255,6 @@ class Batch:
             self.step_inputs["attention_mask"] = _static(torch.ones_like(full).expand(len(self.slots), -1).clone())
         return _EncoderRow(padded, full)
 
-    def _copy_row(self, row: int, start: int, prompt: int, encoder: _EncoderRow | None) -> None:
-        """The scratch cache's prompt into `row` at slots `start ..`, its encoder keys and values whole."""
-        mine, theirs = lifecycle(self.cache), lifecycle(self.scratch)
-        for target, source in zip(mine.self_attention, theirs.self_attention, strict=True):
-            for into, out_of in zip(_tensors(target), _tensors(source), strict=True):
-                into[row, :, start : start + prompt].copy_(out_of[0, :, :prompt])
-        for target, source in zip(mine.cross_attention, theirs.cross_attention, strict=True):
-            for into, out_of in zip(_tensors(target), _tensors(source), strict=True):
-                into[row].copy_(out_of[0])
-        if encoder is not None:
-            self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
-            if encoder.mask is not None:
-                self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
-
     def _first_token(self, row: int, joining: Joining, logits: torch.Tensor, program: Program) -> None:
         """The prefill's token, chosen with the row's processors and its generator's first draw."""
         rows, device = len(self.slots), logits.device
@@ -283,7 +271,7 @@ class Batch:
         """Move every row's content `shift` slots along the cache (all rows alike, distances kept)."""
         self.moves += 1
         for layer in lifecycle(self.cache).self_attention:
-            for tensor in _tensors(layer):
+            for tensor in layer_tensors(layer):
                 tensor.copy_(torch.roll(tensor, shift, dims=2))
         for row, seat in self.seats.items():
             seat.start += shift
@@ -344,15 +332,6 @@ def vocab_size(model: PreTrainedModel) -> int:
     if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
     return int(model.config.get_text_config(decoder=True).vocab_size)
-
-
-def _tensors(layer: LayerLifecycle) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pinned layer's keys and values (pinned layers hold both)."""
-    keys, values = layer.layer.keys, layer.layer.values
-    if keys is None or values is None:
-        msg = f"{layer.describe()} holds no keys or values"
-        raise UnsupportedGenerationError(msg)
-    return keys, values
 
 
 def _static(tensor: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,11 @@ class Prefill:
         self.shapes: dict[tuple[object, ...], tuple[dict[str, Any], Callable[[], int]]] = {}
 
     def __call__(self, input_ids: torch.Tensor, config: GenerationConfig, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The prompt's last logits (1, vocab; float32) after filling the (reset) scratch cache; the tensor is
-        reused by the next prefill."""
+        """The prompt's last logits (1, vocab; float32) after emptying and filling the scratch cache; the tensor
+        is reused by the next prefill."""
+        # Emptied first: transformers prepares the forward's inputs (its mask) from the cache's length, and the
+        # forward computes the encoder keys and values only for layers not announced written.
+        lifecycle(self.scratch).reset()
         if self.captures and getattr(config, "prefill_chunk_size", None) is None:
             # The scratch cache is empty, so transformers' `_prefill` would slice nothing off the prompt.
             inputs = self.model.prepare_inputs_for_generation(
