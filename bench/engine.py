@@ -13,12 +13,13 @@ random features) are served, per path:
   both at `--steps-per-call` steps per graph replay;
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
-A warm-up (every request once for the one-at-a-time paths, one request for the engine) compiles and
-captures before anything is timed. Per path: wall seconds, new tokens per second, each request's latency
-(submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), for the engine the steps
-and joins of that run and the scheduler's seconds spent admitting newcomers and running steps, and how many
-requests' tokens equal `sequential`'s (in bf16 a batch's matrix products may round otherwise than one row's, so near
-ties can break otherwise).
+A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that
+nothing done the first time (compilation, captures, a prompt length that transformers' eager prefill has not
+met yet) lands in whichever client count runs first. Per path: wall seconds, new tokens per second, each
+request's latency (submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), for
+the engine the steps and joins of that run and the scheduler's seconds spent admitting newcomers and running
+steps, and how many requests' tokens equal `sequential`'s (in bf16 a batch's matrix products may round
+otherwise than one row's, so near ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -150,7 +151,7 @@ def engine_runs(
     if args.profile_scheduler:
         profile_scheduler(args.profile_scheduler)
     with cachelife.Engine(model, **options) as engine:
-        engine.submit(**requests[0]).result()  # warm-up: compile and capture
+        with_engine(engine, requests, args.rows)  # warm-up: compile, capture, every prompt shape once
         for clients in (int(c) for c in args.clients.split(",")):
             before = engine.stats()
             wall, latencies, outputs = with_engine(engine, requests, clients)
