@@ -23,8 +23,8 @@ from cachelife.errors import (
 )
 from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
-from cachelife.serving.row_writes import RowWrites
 from cachelife.serving.engine import Engine
+from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
 
 
@@ -130,8 +130,9 @@ def test_graphs_of_several_steps_keep_every_row_on_its_own_draws(llama: zoo.ZooM
 @pytest.mark.parametrize("steps_per_call", [1, 3])
 @pytest.mark.parametrize(("name", "options"), [("whisper", {}), ("t5", {"encoder_length": 16})])
 def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
-    name: str, options: dict[str, Any], steps_per_call: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    name: str, options: dict[str, Any], steps_per_call: int, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     # Under (stand-in) graphs an encoder-decoder model's prefill is captured once per decoder prompt shape
     # and replayed for every later newcomer, never through transformers' eager `_prefill`, and so are the
     # writes of its keys and values into its row; each request still equals its own generate, so the replays
@@ -161,6 +162,8 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
     # The decoding step's graph, one prefill graph (one decoder prompt length) and the row writes' graph.
     assert len(captured) == 3
+    # The engine's caches are its own for its whole life: no advice to enable the model for a cache pool.
+    assert not [record for record in caplog.records if "not enabled" in record.getMessage()]
     for want, got in zip(expected, results, strict=True):
         assert torch.equal(got, want)
 

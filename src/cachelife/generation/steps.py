@@ -138,14 +138,16 @@ def stepper(
     read_only: object,
     settings: LoopSettings,
     rewind: Callable[[], None] | None = None,
+    fixed_buffers: bool = False,
 ) -> Callable[[], int]:
     """A function that runs the next decoding steps and returns how many it ran: replays of a graph that
     cachelife captured (CUDA, `cuda_graphs="cachelife"`), or calls of the step compiled with `steps_per_call`
     steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly. `rewind` is
-    `GraphedSteps`'."""
+    `GraphedSteps`'; `fixed_buffers` says that the caller keeps its caches for the steps' whole life (an
+    engine's), so no pool is needed to keep their addresses."""
     spc, device = settings.steps_per_call, model.device
     if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
-        if pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
+        if not fixed_buffers and pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
             logger.warning(
                 "cachelife.generate: %s is not enabled (no cache pool), so its caches get new addresses on every "
                 "call and every call captures a new CUDA graph; call cachelife.enable(model) once",

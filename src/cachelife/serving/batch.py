@@ -219,7 +219,7 @@ class Batch:
         return stepper(
             self.model, "engine", engine_steps, arguments,
             in_place=(self.model, self.rows, self.noise, self.step_inputs), read_only=program,
-            settings=self.settings,
+            settings=self.settings, fixed_buffers=True,
         )  # fmt: skip
 
     def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:

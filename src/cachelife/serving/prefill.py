@@ -108,7 +108,7 @@ class Prefill:
         advance = stepper(
             self.model, "engine prefill", prefill_forward, arguments,
             in_place=(self.model, self.scratch, twins, self.logits), read_only=(), settings=self.settings,
-            rewind=lambda: lifecycle(self.scratch).reset(),
+            rewind=lambda: lifecycle(self.scratch).reset(), fixed_buffers=True,
         )  # fmt: skip
         return twins, advance
 
