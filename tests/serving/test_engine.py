@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.errors import (
@@ -180,6 +181,74 @@ def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel
     for seed, (request, result) in enumerate(zip(requests, results, strict=True)):
         expected = alone(llama.model, **request, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(result, expected)
+
+
+class Recording(BaseStreamer):
+    """A streamer that keeps what it is given, and calls `on_put` with each value."""
+
+    def __init__(self, on_put: Any = None) -> None:
+        self.values: list[torch.Tensor] = []
+        self.ended = 0
+        self.on_put = on_put
+
+    def put(self, value: torch.Tensor) -> None:
+        self.values.append(value.clone())
+        if self.on_put is not None:
+            self.on_put(len(self.values))
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.parametrize("name", ["llama", "whisper"])
+def test_streamers_get_what_generate_gives_them(name: str) -> None:
+    # The prompt first (transformers' generate puts it), then one tensor per new token, then one end():
+    # what cachelife.generate (and model.generate) give a streamer for the same request alone.
+    built = build(name)
+    requests = [{**request, "max_new_tokens": 4 + 3 * index} for index, request in enumerate(requests_of(built, 4))]
+    streamers = [Recording() for _ in requests]
+    with Engine(built.model, rows=2, max_length=40, compile_step=False) as engine:
+        futures = [engine.submit(**request, streamer=one) for request, one in zip(requests, streamers, strict=True)]
+        results = [future.result(timeout=120) for future in futures]
+    for request, streamer, result in zip(requests, streamers, results, strict=True):
+        expected = Recording()
+        alone(built.model, **request, streamer=expected)
+        assert streamer.ended == expected.ended == 1
+        assert len(streamer.values) == len(expected.values)
+        for got, want in zip(streamer.values, expected.values, strict=True):
+            assert torch.equal(got, want)
+        streamed = torch.cat([value.reshape(1, -1) for value in streamer.values], dim=1)
+        assert torch.equal(streamed[:, -result.shape[1] :], result)  # Whisper returns less than its prompt
+
+
+def test_new_tokens_reach_the_streamer_while_the_row_decodes(llama: zoo.ZooModel) -> None:
+    decoding_at_first_new_token: list[int] = []
+    engine = Engine(llama.model, rows=1, max_length=256, compile_step=False)
+
+    def on_put(count: int) -> None:
+        if count == 2:  # the prompt came first
+            decoding_at_first_new_token.append(engine.stats().decoding)
+
+    with engine:
+        request = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200}
+        engine.submit(**request, streamer=Recording(on_put)).result(timeout=120)
+    assert decoding_at_first_new_token == [1]
+
+
+def test_a_failing_streamer_fails_its_request_alone(llama: zoo.ZooModel) -> None:
+    def fail(count: int) -> None:
+        if count == 3:
+            raise RuntimeError("the client went away")
+
+    steady = {**llama.inputs(1, 5, 1), "max_new_tokens": 12}
+    with Engine(llama.model, rows=2, max_length=64, compile_step=False) as engine:
+        failing = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=30, min_new_tokens=30,
+                                streamer=Recording(fail))  # fmt: skip
+        other = engine.submit(**steady)
+        with pytest.raises(RuntimeError, match="the client went away"):
+            failing.result(timeout=120)
+        assert torch.equal(other.result(timeout=120), alone(llama.model, **steady))
+        _until(lambda: engine.stats().held == 0 and engine.stats().decoding == 0)
 
 
 def test_requests_of_other_settings_wait_for_their_own_batch(llama: zoo.ZooModel) -> None:

@@ -50,6 +50,7 @@ class _Seat:
     joining: Joining
     start: int
     end: int
+    streamed: int  # the row's tokens handed to its request's streamer so far (the prompt's by generate)
     unused: int = 0  # leading noise buffers holding draws no step used yet
 
 
@@ -126,7 +127,7 @@ class Batch:
             raise
         slot.move("start", Decoding(joining.request.number, start))
         self.joins += 1
-        self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1)
+        self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1, joining.prompt)
 
     def _place(
         self, row: int, joining: Joining, placement: Placement, *, program: Program, logits: torch.Tensor,
@@ -171,14 +172,21 @@ class Batch:
         self.steps += ran
 
     def collect(self) -> None:
-        """Hand back the rows that ended (one host read of lengths and end flags), and leave abandoned ones."""
+        """Hand streaming rows' new tokens over, hand back the rows that ended (one host read of lengths and
+        end flags), and leave abandoned ones."""
         if not self.seats:
             return
         lengths, unfinished = self.rows.length.tolist(), self.rows.unfinished.tolist()
         for row, seat in list(self.seats.items()):
-            if seat.joining.abandoned:
+            joining = seat.joining
+            if joining.abandoned:
                 self.end(row)
-            elif not unfinished[row] or lengths[row] >= seat.joining.max_length:
+                continue
+            if joining.streamer is not None and lengths[row] > seat.streamed:
+                joining.streamed.append(self.rows.tokens[row, seat.streamed : lengths[row]].cpu())
+                seat.streamed = lengths[row]
+                joining.news.set()
+            if not unfinished[row] or lengths[row] >= joining.max_length:
                 self.end(row, tokens=self.rows.tokens[row : row + 1, : lengths[row]].clone())
 
     def end(self, row: int, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:

@@ -249,7 +249,9 @@ class Engine:
         pad_tensor = special_tokens(config, "_pad_token_tensor")
         pad = 0 if pad_tensor is None else int(pad_tensor)
         key = program_key(converted, do_sample=bool(config.do_sample), eos=eos, pad=pad)
-        joining = Joining(request, input_ids, model_kwargs, config, converted, key, max_length, generator)
+        # transformers' generate put the prompt into the streamer; the new tokens come from the rows.
+        streamer = request.kwargs.get("streamer")
+        joining = Joining(request, input_ids, model_kwargs, config, converted, key, max_length, generator, streamer)
         with self._wake:
             if self._closed:
                 msg = "the engine was closed before the request got a row"

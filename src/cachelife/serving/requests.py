@@ -15,6 +15,7 @@ from attrs import define, field
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from cachelife.errors import InvalidArgumentError, RequestTimeoutError, UnsupportedGenerationError
 from cachelife.generation.arguments import int_field, merged_config, unsupported_argument, unsupported_config
@@ -52,10 +53,14 @@ class Joining:
     key: tuple[object, ...]
     max_length: int
     generator: torch.Generator | None
+    streamer: BaseStreamer | None = None
     done: threading.Event = field(factory=threading.Event)
+    # Set on every hand-over to the request's thread: new tokens for its streamer, or the end.
+    news: threading.Event = field(factory=threading.Event)
+    streamed: deque[torch.Tensor] = field(factory=deque)  # new tokens (CPU) its streamer has not had yet
     tokens: torch.Tensor | None = None
     error: BaseException | None = None
-    abandoned: bool = False  # its thread stopped waiting (cancelled, timed out)
+    abandoned: bool = False  # its thread stopped waiting (cancelled, timed out, its streamer failed)
 
     @property
     def prompt(self) -> int:
@@ -68,9 +73,6 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
     if ours:
         msg = f"{', '.join(ours)} are the engine's settings (Engine(model, ...)), not a request's"
         raise InvalidArgumentError(msg)
-    if kwargs.get("streamer") is not None:
-        msg = "streamer in an engine request: the engine returns each request's tokens when it ends"
-        raise UnsupportedGenerationError(msg)
     inputs = [value for name in ("input_ids", "input_features", "inputs_embeds")
               if isinstance(value := kwargs.get(name), torch.Tensor)]  # fmt: skip
     if not inputs:
@@ -126,26 +128,47 @@ def prepared_processors(
 
 
 def wait_for(joining: Joining, lock: threading.Lock, waiting: deque[Joining]) -> torch.Tensor:
-    """The tokens the scheduler hands back; on cancellation or timeout the request leaves the queue (or, at
-    the next step boundary, its row) and its thread raises."""
+    """The tokens the scheduler hands back, each new token put into the request's streamer as it comes and the
+    streamer ended after the last; on cancellation, timeout or a failing streamer the request leaves the queue
+    (or, at the next step boundary, its row) and its thread raises."""
     request = joining.request
-    while not joining.done.wait(_POLL_SECONDS):
-        expired = request.deadline is not None and time.monotonic() > request.deadline
-        if request.future.cancelled() or expired:
-            with lock:
-                joining.abandoned = True
-                if joining in waiting:
-                    waiting.remove(joining)
+    try:
+        while not joining.done.is_set():
+            if joining.news.wait(_POLL_SECONDS):
+                joining.news.clear()
+                _stream(joining)
+            expired = request.deadline is not None and time.monotonic() > request.deadline
             if request.future.cancelled():
                 raise CancelledError
-            msg = f"the request was not served within its timeout of {request.timeout} s"
-            raise RequestTimeoutError(msg)
+            if expired:
+                msg = f"the request was not served within its timeout of {request.timeout} s"
+                raise RequestTimeoutError(msg)
+        _stream(joining)
+    except BaseException:
+        with lock:
+            joining.abandoned = True
+            if joining in waiting:
+                waiting.remove(joining)
+        raise
     if joining.error is not None:
         raise joining.error
     if joining.tokens is None:  # unreachable: the scheduler hands back tokens or an error
         msg = "the engine ended the request without tokens"
         raise UnsupportedGenerationError(msg)
+    if joining.streamer is not None:
+        joining.streamer.end()
     return joining.tokens
+
+
+def _stream(joining: Joining) -> None:
+    """Put the new tokens the scheduler handed over into the streamer, one position at a time (as `_sample`
+    puts them: a tensor of one token per sequence)."""
+    streamer = joining.streamer
+    while joining.streamed:
+        chunk = joining.streamed.popleft()
+        if streamer is not None:
+            for token in chunk:
+                streamer.put(token.reshape(1))
 
 
 def hand_back(joining: Joining, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:
@@ -154,3 +177,4 @@ def hand_back(joining: Joining, *, tokens: torch.Tensor | None = None, error: Ba
         error = CancelledError()
     joining.tokens, joining.error = tokens, error
     joining.done.set()
+    joining.news.set()
