@@ -2,7 +2,7 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,sequential,auto,generate_batch] [--out DIR]
+                           [--paths engine,sequential,auto,generate_batch] [--ttft] [--out DIR]
 
 `--requests` requests with mixed lengths (new tokens spread over `--new-tokens`, exactly that many each:
 `min_new_tokens = max_new_tokens`; decoder-only prompts of 16-128 tokens; Whisper's 30-second windows of
@@ -18,8 +18,9 @@ nothing done the first time (compilation, captures, a prompt length that transfo
 met yet) lands in whichever client count runs first. Per path: wall seconds, new tokens per second, each
 request's latency (submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), for
 the engine the steps and joins of that run and the scheduler's seconds spent admitting newcomers and running
-steps, and how many requests' tokens equal `sequential`'s (in bf16 a batch's matrix products may round
-otherwise than one row's, so near ties can break otherwise).
+steps, with `--ttft` each path's time to first token (submit to the streamer's first new token: every timed
+request gets a streamer), and how many requests' tokens equal `sequential`'s (in bf16 a batch's matrix
+products may round otherwise than one row's, so near ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -37,6 +38,7 @@ from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from bench.decode import auto_compile
@@ -75,38 +77,70 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(max(1, math.ceil(share / 100 * len(ordered))), len(ordered)) - 1]
 
 
-def summary(name: str, wall: float, latencies: list[float], new: int) -> dict[str, Any]:
+def milliseconds(values: list[float]) -> dict[str, float]:
+    return {"p50": round(1000 * percentile(values, 50), 2), "p99": round(1000 * percentile(values, 99), 2),
+            "max": round(1000 * max(values), 2), "mean": round(1000 * statistics.fmean(values), 2)}  # fmt: skip
+
+
+def summary(name: str, wall: float, latencies: list[float], new: int, ttft: list[float] | None) -> dict[str, Any]:
     return {
         "path": name, "wall_s": round(wall, 4), "new_tokens": new, "tokens_per_s": round(new / wall, 1),
-        "latency_ms": {"p50": round(1000 * percentile(latencies, 50), 2),
-                       "p99": round(1000 * percentile(latencies, 99), 2),
-                       "max": round(1000 * max(latencies), 2), "mean": round(1000 * statistics.fmean(latencies), 2)},
+        "latency_ms": milliseconds(latencies), **({"ttft_ms": milliseconds(ttft)} if ttft else {}),
     }  # fmt: skip
 
 
-def one_at_a_time(call: Callable[[Request], torch.Tensor], requests: list[Request], device: torch.device) -> Any:
+class FirstToken(BaseStreamer):
+    """A streamer that notes when its first new token came (`generate` puts the prompt first)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def timed(streamer: FirstToken | None, began: float) -> float:
+    if streamer is None or streamer.at is None:
+        return math.nan
+    return streamer.at - began
+
+
+def one_at_a_time(
+    call: Callable[[Request], torch.Tensor], requests: list[Request], device: torch.device, *, ttft: bool = False
+) -> Any:
     for request in requests:  # warm-up: every shape compiled and captured
         call(request)
-    latencies, outputs = [], []
+    latencies, outputs, firsts = [], [], []
     synchronize(device)
     started = time.perf_counter()
     for request in requests:
+        streamer = FirstToken() if ttft else None
         began = time.perf_counter()
-        outputs.append(call(request))
+        outputs.append(call({**request, "streamer": streamer} if streamer is not None else request))
         synchronize(device)
         latencies.append(time.perf_counter() - began)
-    return time.perf_counter() - started, latencies, outputs
+        firsts.append(timed(streamer, began))
+    return time.perf_counter() - started, latencies, outputs, firsts if ttft else None
 
 
-def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int) -> Any:
+def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int, *, ttft: bool = False) -> Any:
     latencies: list[float] = [0.0] * len(requests)
+    firsts: list[float] = [math.nan] * len(requests)
     outputs: list[torch.Tensor] = [torch.empty(0)] * len(requests)
 
     def client(indices: list[int]) -> None:
         for index in indices:
+            streamer = FirstToken() if ttft else None
             began = time.perf_counter()
-            outputs[index] = engine.submit(**requests[index]).result()
+            outputs[index] = engine.submit(**requests[index], streamer=streamer).result()
             latencies[index] = time.perf_counter() - began
+            firsts[index] = timed(streamer, began)
 
     threads = [threading.Thread(target=client, args=(list(range(len(requests)))[start::clients],))
                for start in range(clients)]  # fmt: skip
@@ -115,7 +149,7 @@ def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int)
         thread.start()
     for thread in threads:
         thread.join()
-    return time.perf_counter() - started, latencies, outputs
+    return time.perf_counter() - started, latencies, outputs, firsts if ttft else None
 
 
 def profile_scheduler(path: str) -> None:
@@ -154,11 +188,11 @@ def engine_runs(
         with_engine(engine, requests, args.rows)  # warm-up: compile, capture, every prompt shape once
         for clients in (int(c) for c in args.clients.split(",")):
             before = engine.stats()
-            wall, latencies, outputs = with_engine(engine, requests, clients)
+            wall, latencies, outputs, firsts = with_engine(engine, requests, clients, ttft=args.ttft)
             after = engine.stats()
             same = [reference is not None and torch.equal(got, want)
                     for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
-            out.add({**summary(f"engine_c{clients}", wall, latencies, new), "clients": clients,
+            out.add({**summary(f"engine_c{clients}", wall, latencies, new, firsts), "clients": clients,
                      "equal_to_sequential": all(same), "requests_equal": sum(same),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
@@ -176,6 +210,9 @@ def main() -> int:
     parser.add_argument("--paths", default="engine,sequential")
     parser.add_argument("--steps-per-call", type=int, default=1, help="for the engine and sequential paths")
     parser.add_argument(
+        "--ttft", action="store_true", help="give every timed request a streamer and report time to first token"
+    )
+    parser.add_argument(
         "--profile-scheduler", default="", help="write cProfile statistics of the engine's scheduler thread here"
     )
     args = parser.parse_args()
@@ -191,6 +228,7 @@ def main() -> int:
     requests = requests_for(model, args.requests, (shortest, longest))
     new = sum(int(request["max_new_tokens"]) for request in requests)
     stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
+    stem += "-ttft" if args.ttft else ""
     out = results_file(args.out, stem, device, "bench.engine", {
         "model": args.model, "dtype": args.dtype, "requests": args.requests, "rows": args.rows,
         "steps_per_call": args.steps_per_call,
@@ -202,8 +240,8 @@ def main() -> int:
         def ours(request: Request) -> torch.Tensor:
             return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))
 
-        wall, latencies, reference = one_at_a_time(ours, requests, device)
-        out.add({**summary("sequential", wall, latencies, new), "lone_ms": round(1000 * latencies[0], 2)})
+        wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
+        out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     if "engine" in paths:
         engine_runs(out, model, requests, args, reference=reference, new=new)
     if "auto" in paths:
@@ -212,8 +250,8 @@ def main() -> int:
         def theirs(request: Request) -> torch.Tensor:
             return as_tokens(model.generate(**request, **auto))
 
-        wall, latencies, _ = one_at_a_time(theirs, requests, device)
-        out.add(summary("auto", wall, latencies, new))
+        wall, latencies, _, firsts = one_at_a_time(theirs, requests, device, ttft=args.ttft)
+        out.add(summary("auto", wall, latencies, new, firsts))
     if "generate_batch" in paths and not model.config.is_encoder_decoder:
         ids = [request["input_ids"][0].tolist() for request in requests]
         config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,

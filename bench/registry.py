@@ -240,6 +240,14 @@ _ENTRIES = (
         "cuda", "engine-whisper-large-v3-cuda*.json",
     ),
     Benchmark(
+        "engine-whisper-ttft", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16",
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--ttft"),
+        "time to first token on the whisper-large-v3 shape, bf16: every request streamed, the engine (16 rows) "
+        "from 1 and 16 clients against sequential cachelife.generate",
+        "cuda", "engine-whisper-large-v3-ttft-*cuda*.json",
+    ),
+    Benchmark(
         "engine-whisper-spc4", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "4,16",
          "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--steps-per-call", "4"),
@@ -343,10 +351,10 @@ _ENTRIES = (
     Benchmark(
         "engine-cpu", "bench.engine",
         ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--clients", "1,4", "--requests", "8",
-         "--rows", "4", "--new-tokens", "4,12"),
+         "--rows", "4", "--new-tokens", "4,12", "--ttft"),
         "cachelife.Engine on the CPU, llama-small, fp32, greedy: 8 requests from 1 and 4 clients against "
-        "sequential cachelife.generate, tokens checked equal",
-        "cpu", "engine-llama-small-cpu-*.json",
+        "sequential cachelife.generate, tokens checked equal, every request streamed (time to first token)",
+        "cpu", "engine-llama-small-*cpu-*.json",
     ),
 )  # fmt: skip
 
