@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -272,6 +273,49 @@ def test_async_requests(llama: zoo.ZooModel) -> None:
         results = asyncio.run(main(engine))
     for request, result in zip(requests, results, strict=True):
         assert torch.equal(result, alone(llama.model, **request))
+
+
+@pytest.mark.parametrize("name", ["llama", "whisper"])
+def test_async_streams_yield_the_new_tokens_as_they_come(name: str) -> None:
+    built = build(name)
+    requests = [{**request, "max_new_tokens": 3 + 4 * index} for index, request in enumerate(requests_of(built, 3))]
+
+    async def collect(engine: Engine, request: dict[str, Any]) -> list[int]:
+        return [token async for token in engine.stream(**request)]
+
+    async def main(engine: Engine) -> list[list[int]]:
+        return list(await asyncio.gather(*(collect(engine, request) for request in requests)))
+
+    with Engine(built.model, rows=2, max_length=40, compile_step=False) as engine:
+        streamed = asyncio.run(main(engine))
+    for request, tokens in zip(requests, streamed, strict=True):
+        expected = Recording()
+        alone(built.model, **request, streamer=expected)
+        assert tokens == [int(value) for value in torch.cat(expected.values[1:])]
+
+
+def test_leaving_a_stream_early_cancels_its_request(llama: zoo.ZooModel) -> None:
+    long = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200}
+
+    async def first_three_then_wait(engine: Engine) -> list[int]:
+        tokens = []
+        async with contextlib.aclosing(engine.stream(**long)) as stream:
+            async for token in stream:
+                tokens.append(token)
+                if len(tokens) == 3:
+                    break
+        # The loop stays alive (a request that went on would still stream): the row must leave by itself.
+        deadline = time.monotonic() + 60
+        while engine.stats().held or engine.stats().decoding:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return tokens
+
+    with Engine(llama.model, rows=1, max_length=256, compile_step=False) as engine:
+        assert len(asyncio.run(first_three_then_wait(engine))) == 3
+        assert engine.stats().steps < 150  # the row left long before its 200 tokens
+        with pytest.raises(InvalidArgumentError, match="brings its own streamer"):
+            engine.stream(**long, streamer=Recording())
 
 
 def test_a_failing_request_fails_alone(llama: zoo.ZooModel) -> None:

@@ -15,11 +15,13 @@ cancelled (`future.cancel()`) or time out, fail alone when their own input or pr
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncGenerator
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
@@ -45,6 +47,7 @@ from cachelife.serving.requests import (
     wait_for,
 )
 from cachelife.serving.rows import program_key
+from cachelife.serving.streaming import tokens_as_they_come
 from cachelife.serving.window import fits_at_all
 from cachelife.validate import check_bool, check_choice, check_int
 
@@ -153,6 +156,18 @@ class Engine:
     ) -> Any:
         """`submit` for asyncio: cancelling the awaiting task cancels the request."""
         return await asyncio.wrap_future(self.submit(generator=generator, timeout=timeout, **kwargs))
+
+    def stream(
+        self, *, generator: torch.Generator | None = None, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncGenerator[int, None]:
+        """The request's new tokens (ints) for asyncio, each as its row produces it: `async for token in
+        engine.stream(**kwargs)`. The stream raises what the request raises; closing it early (`aclose()`,
+        `contextlib.aclosing`) cancels the request. Bad requests raise at once, as `submit` raises."""
+        if "streamer" in kwargs:
+            msg = "stream() brings its own streamer: pass streamer= to submit() or generate() instead"
+            raise InvalidArgumentError(msg)
+        check_request(self._model, kwargs)  # before the first iteration would run anything
+        return tokens_as_they_come(functools.partial(self.submit, generator=generator, timeout=timeout), **kwargs)
 
     def stats(self) -> EngineStats:
         batch = self._batch
