@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 import cachelife
@@ -420,9 +420,15 @@ def test_what_the_engine_does_not_decode_fails_the_request(
             future.result(timeout=120)
 
 
-def test_models_whose_positions_come_from_the_cache_are_refused() -> None:
+def test_models_whose_caches_the_rows_cannot_share_are_refused() -> None:
     with pytest.raises(UnsupportedGenerationError, match="decoder_position_ids"):
         Engine(zoo.build("bart").model)
+    sliding = MistralConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=8,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedGenerationError, match="sliding-window attention layers"):
+        Engine(MistralForCausalLM(sliding).eval(), compile_step=False)
     with pytest.raises(InvalidArgumentError, match="pass encoder_length"):
         Engine(zoo.build("t5").model)
 

@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from attrs import define
 from transformers import PreTrainedModel
+from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
@@ -61,6 +62,7 @@ class Batch:
                  encoder_length: int | None) -> None:  # fmt: skip
         self.model, self.settings, self.max_length = model, settings, max_length
         self.names = step_names(model)
+        refuse_sliding_windows(model)
         self.encoder_length = encoder_length_of(model, encoder_length)
         self.width = max_length + settings.steps_per_call
         self.vocab = vocab_size(model)
@@ -307,6 +309,18 @@ def step_names(model: PreTrainedModel) -> StepNames:
         "decode it with cachelife.generate"
     )
     raise UnsupportedGenerationError(msg)
+
+
+def refuse_sliding_windows(model: PreTrainedModel) -> None:
+    """`UnsupportedGenerationError` for a model with sliding-window attention layers: their buffers hold a
+    window, not the batch's slots, which the rows share."""
+    layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=8).layers
+    if any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers):
+        msg = (
+            f"{type(model).__name__} has sliding-window attention layers, whose buffers hold a window rather "
+            "than the slots the engine's rows share; decode it with cachelife.generate"
+        )
+        raise UnsupportedGenerationError(msg)
 
 
 def encoder_length_of(model: PreTrainedModel, given: int | None) -> int | None:
