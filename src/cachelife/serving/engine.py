@@ -1,14 +1,16 @@
 """`cachelife.Engine`: concurrent requests on one model, decoded together in the rows of one pinned batch.
 
 `submit(**kwargs)` takes what `cachelife.generate` takes for one sequence and returns a future of what it
-would return for that request alone; `await engine.generate(**kwargs)` is the same for asyncio. Each request
-runs transformers' `generate` in a thread of the engine (the encoder, the decoder prompt, the processors, and
-afterwards Whisper's post-processing) with a decoding method that hands the prepared request to the engine's
-scheduler thread and waits. The scheduler owns the device state: at each step boundary it writes newcomers'
-prompts into free rows of its static cache (`window` says where; `slots` tracks each row), then runs one call
-of the step for all rows (`rows`; compiled, and on CUDA replayed from one captured graph per program), and
-hands finished rows' tokens back. Requests wait in a bounded queue (`QueueFullError` past it), can be
-cancelled (`future.cancel()`) or time out, fail alone when their own input or prefill fails, and get
+would return for that request alone; `await engine.generate(**kwargs)` is the same for asyncio, and
+`engine.stream(**kwargs)` yields its new tokens as they come (`streaming`; a request's own `streamer=` gets
+them too). Each request runs transformers' `generate` in a thread of the engine (the encoder, the decoder
+prompt, the processors, and afterwards Whisper's post-processing) with a decoding method that hands the
+prepared request to the engine's scheduler thread and waits. The scheduler owns the device state: at each step
+boundary it writes newcomers' prompts into free rows of its static cache (`window` says where; `slots` tracks
+each row; `prefill` and `row_writes` do the writing), then runs one call of the step for all rows (`rows`;
+compiled, and on CUDA replayed from one captured graph per program), and hands new tokens to streaming
+requests and finished rows' tokens back. Requests wait in a bounded queue (`QueueFullError` past it), can be
+cancelled (`future.cancel()`) or time out, fail alone when their own input, prefill or streamer fails, and get
 `EngineClosedError` when the engine closes before they are served.
 """
 
