@@ -35,9 +35,11 @@ from cachelife.errors import (
 from cachelife.serving.openai_api import (
     Completion,
     Sampling,
+    TextDeltas,
     completion_body,
     completion_kwargs,
     error_answer,
+    finish_reason,
     form_fields,
     parse_completion,
     parse_transcription,
@@ -168,6 +170,45 @@ def test_a_bad_completion_request_says_what_was_expected_and_what_came(body: obj
         parse_completion(data, model_name="m", tokenizer=llama_tokenizer(), vocab_size=320)
     assert message in str(raised.value)
     assert error_answer(raised.value)[0] == 400
+
+
+def test_stream_is_read_and_must_be_a_bool() -> None:
+    body = b'{"prompt": "w10", "stream": true}'
+    assert parse_completion(body, model_name="m", tokenizer=llama_tokenizer(), vocab_size=320).stream
+    with pytest.raises(InvalidArgumentError, match="stream must be true or false, got 'yes'"):
+        parse_completion(b'{"prompt": "w10", "stream": "yes"}', model_name="m", tokenizer=llama_tokenizer(),
+                         vocab_size=320)  # fmt: skip
+
+
+def test_text_deltas_add_up_to_the_decoded_text() -> None:
+    tokenizer = llama_tokenizer()
+    ids = [10, 20, 2, 30]  # an end token (special: no text) in the middle
+    deltas = TextDeltas(tokenizer)
+    pieces = [deltas.add(token) for token in ids]
+    assert pieces == ["w10", " w20", "", " w30"]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class _Bytes:
+    """A tokenizer whose tokens are bytes: a character of several bytes is unfinished until its last one."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+
+def test_text_deltas_hold_an_unfinished_character_back() -> None:
+    deltas = TextDeltas(_Bytes())
+    pieces = [deltas.add(byte) for byte in "aé!".encode()]
+    assert pieces == ["a", "", "é", "!"]
+
+
+def test_the_finish_reason_is_length_only_for_a_used_budget_without_an_end() -> None:
+    assert finish_reason([5, 6], 2, frozenset({2})) == "length"
+    assert finish_reason([5, 2], 2, frozenset({2})) == "stop"
+    assert finish_reason([5], 2, frozenset({2})) == "stop"
 
 
 def test_temperature_zero_is_greedy_and_a_seed_is_a_generator_seeded_with_it() -> None:
@@ -354,6 +395,22 @@ def test_a_served_completion_is_cachelife_generates_tokens_decoded(server: str) 
     answer = json.loads(body)
     assert answer["choices"][0]["text"] == reference_completion("w10 w20 w30", 6, do_sample=False)
     assert answer["usage"]["prompt_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_a_streamed_completion_is_the_same_text_in_server_sent_events(server: str) -> None:
+    request = {"model": "llama", "prompt": "w10 w20 w30", "max_tokens": 6, "temperature": 0, "stream": True}
+    status, body = post(f"{server}/llama/v1/completions", json.dumps(request).encode(), "application/json")
+    assert status == 200, body
+    events = [line.removeprefix("data: ") for line in body.decode().split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(chunk["choices"][0]["text"] for chunk in chunks)
+    assert text == reference_completion("w10 w20 w30", 6, do_sample=False)
+    assert len(chunks) > 2  # the text came in pieces, not at once
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 import torch
-from attrs import frozen
+from attrs import define, field, frozen
 from transformers import PreTrainedModel
 
 from cachelife.errors import (
@@ -34,7 +34,7 @@ from cachelife.validate import check_int, is_int_at_least
 
 COMPLETIONS: Final = "/v1/completions"
 TRANSCRIPTIONS: Final = "/v1/audio/transcriptions"
-COMPLETION_FIELDS: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed")
+COMPLETION_FIELDS: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream")
 TRANSCRIPTION_FIELDS: Final = ("file", "model", "language", "temperature", "response_format")
 RESPONSE_FORMATS: Final = ("json", "text")
 # The first entry an error is an instance of gives its HTTP status; anything else is a 500.
@@ -85,11 +85,13 @@ class Sampling:
 
 @frozen
 class Completion:
-    """A checked completion request: the prompt's token ids, the token budget and the sampling."""
+    """A checked completion request: the prompt's token ids, the token budget, the sampling, and whether the
+    answer streams (server-sent events, a chunk per piece of text)."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
     sampling: Sampling
+    stream: bool = False
 
 
 @frozen(eq=False)  # an array has no one truth value
@@ -122,7 +124,7 @@ def _check_fields(body: Mapping[str, object], known: Sequence[str], model_name: 
 
 def parse_completion(data: bytes, *, model_name: str, tokenizer: Tokenizer, vocab_size: int) -> Completion:
     """A completion request's JSON body, checked: `prompt` (a string, or a list of token ids), `max_tokens`
-    (OpenAI's default 16), `temperature` (default 1; 0 is greedy), `top_p` and `seed`."""
+    (OpenAI's default 16), `temperature` (default 1; 0 is greedy), `top_p`, `seed` and `stream`."""
     try:
         body = json.loads(data)
     except ValueError as error:
@@ -152,7 +154,11 @@ def parse_completion(data: bytes, *, model_name: str, tokenizer: Tokenizer, voca
         top_p=_number("top_p", body.get("top_p", 1), 0, 1),
         seed=seed,
     )
-    return Completion(tuple(ids), check_int("max_tokens", body.get("max_tokens", 16)), sampling)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        msg = f"stream must be true or false, got {stream!r:.80}"
+        raise InvalidArgumentError(msg)
+    return Completion(tuple(ids), check_int("max_tokens", body.get("max_tokens", 16)), sampling, stream)
 
 
 def sampling_kwargs(sampling: Sampling, device: torch.device) -> dict[str, Any]:
@@ -189,8 +195,7 @@ def completion_body(
     """OpenAI's completion object for `generate`'s tokens (1, n), whose new tokens start at `generated_from`
     (the prompt's length for a decoder-only model, 1 after an encoder-decoder's start token)."""
     generated = [int(t) for t in tokens[0, generated_from:]]
-    ended = bool(generated) and generated[-1] in end_ids
-    finish = "length" if len(generated) >= completion.max_tokens and not ended else "stop"
+    finish = finish_reason(generated, completion.max_tokens, end_ids)
     prompt_tokens = len(completion.prompt_ids)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -206,6 +211,49 @@ def completion_body(
             "total_tokens": prompt_tokens + len(generated),
         },
     }
+
+
+def finish_reason(generated: Sequence[int], max_tokens: int, end_ids: frozenset[int]) -> str:
+    """OpenAI's reason a completion ended: "length" when it used its budget without an end token, else "stop"."""
+    ended = bool(generated) and generated[-1] in end_ids
+    return "length" if len(generated) >= max_tokens and not ended else "stop"
+
+
+@define
+class TextDeltas:
+    """A completion's text as it grows, token by token: each call to `add` returns the text not handed out yet.
+    Every token is decoded with those before it (a tokenizer may write a token otherwise next to others), and
+    text that ends in an unfinished character (U+FFFD, bytes the next token completes) is held back."""
+
+    tokenizer: Tokenizer
+    ids: list[int] = field(factory=list)
+    sent: int = 0  # characters handed out so far
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+def completion_chunk(
+    text: str, *, completion_id: str, created: int, model_name: str, finish: str | None = None
+) -> dict[str, Any]:
+    """One chunk of a streamed completion, as OpenAI's server-sent events carry it."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+    }
+
+
+def server_sent_event(data: Mapping[str, Any] | str) -> str:
+    """One server-sent event: a JSON object, or a bare string such as OpenAI's closing "[DONE]"."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 def form_fields(content_type: str, body: bytes) -> dict[str, str | bytes]:

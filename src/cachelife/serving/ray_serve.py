@@ -1,9 +1,10 @@
 """A Ray Serve application of one model's `Engine`, answering OpenAI-shaped HTTP requests (the `serve` extra).
 
 `application(factory, name=...)` builds it: each replica calls `factory()` for the model and its tokenizer (a
-text model: `POST /v1/completions`) or its processor (Whisper: `POST /v1/audio/transcriptions`) and serves
-them through one `Engine`; `openai_api` reads the requests and shapes the answers. Nothing else in cachelife
-imports this module, so cachelife imports without Ray.
+text model: `POST /v1/completions`, streamed as server-sent events with `"stream": true`) or its processor
+(Whisper: `POST /v1/audio/transcriptions`) and serves them through one `Engine`; `openai_api` reads the
+requests and shapes the answers. Nothing else in cachelife imports this module, so cachelife imports without
+Ray.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from transformers import PreTrainedModel
 
 from cachelife.errors import InvalidArgumentError
@@ -26,14 +29,19 @@ from cachelife.serving.openai_api import (
     COMPLETIONS,
     TRANSCRIPTIONS,
     AudioProcessor,
+    Completion,
+    TextDeltas,
     Tokenizer,
     completion_body,
+    completion_chunk,
     completion_kwargs,
     error_answer,
     error_body,
+    finish_reason,
     form_fields,
     parse_completion,
     parse_transcription,
+    server_sent_event,
     transcription_body,
     transcription_kwargs,
 )
@@ -86,15 +94,23 @@ class Replica:
         completion = parse_completion(
             data, model_name=self._name, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size)
         )
-        tokens = await self._engine.generate(**completion_kwargs(completion, model.device))
         end = model.generation_config.eos_token_id
+        end_ids = frozenset([end] if isinstance(end, int) else end or ())
+        kwargs = completion_kwargs(completion, model.device)
+        if completion.stream:
+            tokens = self._engine.stream(**kwargs)
+            # A failure before the first token (a full queue, a bad request) is an answer with its status.
+            first = await anext(tokens, None)
+            events = _events(tokens, first, completion, model_name=self._name, tokenizer=tokenizer, end_ids=end_ids)
+            return StreamingResponse(events, media_type="text/event-stream")
+        generated = await self._engine.generate(**kwargs)
         return JSONResponse(
             completion_body(
-                tokens,
+                generated,
                 completion,
                 model_name=self._name,
                 tokenizer=tokenizer,
-                end_ids=frozenset([end] if isinstance(end, int) else end or ()),
+                end_ids=end_ids,
                 generated_from=1 if model.config.is_encoder_decoder else len(completion.prompt_ids),
             )
         )
@@ -114,6 +130,32 @@ class Replica:
         # Serve calls this when it stops the replica: requests still queued fail with EngineClosedError.
         if hasattr(self, "_engine"):
             self._engine.close()
+
+
+async def _events(
+    tokens: AsyncGenerator[int, None], first: int | None, completion: Completion, *, model_name: str,
+    tokenizer: Tokenizer, end_ids: frozenset[int],
+) -> AsyncGenerator[str, None]:  # fmt: skip
+    """A streamed completion as OpenAI's server-sent events: a chunk per new piece of text, a last chunk with
+    the finish reason (or, for a failure after the first token, OpenAI's error object), then "[DONE]". A client
+    that goes away closes this generator, which cancels the request."""
+    chunk = functools.partial(
+        completion_chunk, completion_id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model_name=model_name
+    )
+    deltas, generated, token = TextDeltas(tokenizer), [], first
+    try:
+        while token is not None:
+            generated.append(token)
+            if text := deltas.add(token):
+                yield server_sent_event(chunk(text))
+            token = await anext(tokens, None)
+        yield server_sent_event(chunk("", finish=finish_reason(generated, completion.max_tokens, end_ids)))
+    except Exception as error:  # the status is sent already: the error is the stream's last event
+        logger.exception("a streamed completion failed after %d tokens", len(generated))
+        yield server_sent_event(error_answer(error)[1])
+    finally:
+        await tokens.aclose()
+    yield server_sent_event("[DONE]")
 
 
 def application(
