@@ -2,9 +2,9 @@
 
     python3 bench/gpu_suite.py [--stages STAGE,STAGE/STAGE,...] [--out DIR]
 
-Stages: tests (pytest -m gpu on the files of GPU_TESTS against the image's transformers and every wheel in
-`.whl/` (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at once;
-`--tests-k` selects some), health,
+Stages: tests (pytest -m gpu on the files of GPU_TESTS, group after group, against the image's transformers and
+every wheel in `.whl/` (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at
+once; `--tests-k` selects some), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
 under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its name (`python -m bench
 list`; newest transformers; each writes its JSON to --out/<stage>).
@@ -87,32 +87,38 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **pinned, **more}
 
 
-# The single-GPU test files (tests/core/test_multidevice.py runs in the multidevice stage).
-GPU_TESTS = ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/kernels", "tests/serving")
+# The single-GPU test files (tests/core/test_multidevice.py runs in the multidevice stage), in groups that run
+# as separate pytest processes: a process lost in one group (GPU runs 26 and 29 lost a worker to the decode
+# attention kernel, and pytest-xdist then stopped the whole run) leaves the others' outcomes.
+GPU_TESTS = (
+    ("main", ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/serving")),
+    ("kernels", ("tests/kernels",)),
+)
 
 
 def run_tests(found: dict[str, str], work: Path, workers: int, select: str = "") -> dict[str, Any]:
-    """pytest -m gpu for every transformers version at once (only the tests `select` picks with -k, if given);
-    one log, junit file and recipe file each."""
-    running = {}
-    files = [str(ROOT / name) for name in GPU_TESTS if (ROOT / name).exists()]
-    for version, path in found.items():
-        log = (work / f"pytest-{version}.log").open("w")
-        command = [
-            sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:benchmark",
-            "-n", str(workers), "--dist", "loadgroup", *(["-k", select] if select else []),
-            "-rA", f"--junitxml={work / f'junit-{version}.xml'}", *files,
-        ]  # fmt: skip
-        env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}.jsonl"))
-        running[version] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    results: dict[str, Any] = {}
-    for version, process in running.items():
-        returncode = process.wait()
-        results[version] = {
-            "pytest_returncode": returncode,
-            "tests": junit_outcomes(work / f"junit-{version}.xml"),
-            "recipes": recipe_summaries(work / f"recipes-{version}.jsonl"),
-        }
+    """pytest -m gpu for every transformers version at once, one group of files after the other (only the
+    tests `select` picks with -k, if given); one log, junit file and recipe file per version and group."""
+    results: dict[str, Any] = {version: {"pytest_returncode": {}, "tests": {}, "recipes": []} for version in found}
+    for group, names in GPU_TESTS:
+        files = [str(ROOT / name) for name in names if (ROOT / name).exists()]
+        running = {}
+        for version, path in found.items():
+            log = (work / f"pytest-{version}-{group}.log").open("w")
+            junit = work / f"junit-{version}-{group}.xml"
+            command = [
+                sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:benchmark",
+                "-n", str(workers), "--dist", "loadgroup", *(["-k", select] if select else []),
+                "-rA", f"--junitxml={junit}", *files,
+            ]  # fmt: skip
+            env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}-{group}.jsonl"))
+            running[version] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        for version, process in running.items():
+            returncode = process.wait()
+            result = results[version]
+            result["pytest_returncode"][group] = returncode
+            result["tests"].update(junit_outcomes(work / f"junit-{version}-{group}.xml"))
+            result["recipes"].extend(recipe_summaries(work / f"recipes-{version}-{group}.jsonl"))
     return results
 
 
