@@ -216,6 +216,14 @@ _ENTRIES = (
         "cuda", "warm-start-whisper-large-v3-*cuda*.json",
     ),
     Benchmark(
+        "warm-start-whisper-beams", "bench.warm_start",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--paths", "cachelife-generate,cachelife-generate-beams",
+         "--dtype", "bfloat16", "--tag", "beams"),
+        "warm starts and where the first call's compile time goes, greedy against 5 beams, cachelife.generate on "
+        "the whisper-large-v3 shape (bf16, batch 4)",
+        "cuda", "warm-start-beams-*cuda*.json",
+    ),
+    Benchmark(
         "padded-llama", "bench.padded",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--steps-per-call", "4",
          "--paths", "auto,cachelife"),
@@ -313,6 +321,14 @@ _ENTRIES = (
         "warm starts on the CPU, tiny T5 with its generation config: model.generate with a compiled forward "
         "and cachelife.generate (the committed file's second path was cachelife.decode, since retired here)",
         "cpu", "warm-start-cpu-*.json",
+    ),
+    Benchmark(
+        "warm-start-beams-cpu", "bench.warm_start",
+        ("--device", "cpu", "--models", "t5", "--paths", "cachelife-generate,cachelife-generate-beams",
+         "--new-tokens", "8", "--tag", "beams"),
+        "warm starts and where the first call's compile time goes, greedy against 5 beams, cachelife.generate "
+        "on the CPU, tiny T5 with its generation config",
+        "cpu", "warm-start-beams-cpu-*.json",
     ),
     Benchmark(
         "warm-start-cachelife-generate-cpu", "bench.warm_start",

@@ -7,14 +7,16 @@
 For each model (with its own generation config; Whisper: language "en", task "transcribe", as
 bench/generate.py) and path (`generate`: `model.generate` on an enabled model with a compiled forward,
 `mode="reduce-overhead"` on a GPU; `cachelife-generate`: `cachelife.generate(model, fallback=False, ...)`, 1
-step per call), every call decoding exactly `--new-tokens` tokens, three fresh processes, one after another:
+step per call; `cachelife-generate-beams`: the same with 5 beams), every call decoding exactly `--new-tokens`
+tokens, three fresh processes, one after another:
 - `empty_dir`: an empty TORCHINDUCTOR_CACHE_DIR (the first deployment); after warm-up it saves
   `cachelife.save_compile_artifacts`;
 - `shared_dir`: a second process on the same directory (a restart on the same machine);
 - `loaded_artifacts`: another empty directory, `cachelife.load_compile_artifacts` before the first call (a
   new machine that received the file).
-Each reports its first call (seconds, compilation included), a second call, the artifact load time, torch's
-compile-cache hit and miss counters, and its tokens, which must be equal in all three. Batch 4, input length
+Each reports its first call (seconds, compilation included), where torch's compiler spent its time by phase
+(`compile_phases_s`), a second call, the artifact load time, torch's compile-cache hit and miss counters, and
+its tokens, which must be equal in all three. Batch 4, input length
 48. Writes `<out>/warm-start-<device>-<date>.json`.
 """
 
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 from attrs import asdict
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compile_times, counters
 from transformers import PreTrainedModel
 
 import cachelife
@@ -59,8 +61,10 @@ def child(args: argparse.Namespace) -> None:
     built = build(args.model, False, device, getattr(torch, args.dtype))
     model = cachelife.enable(built.model)
     inputs = built.inputs(BATCH, LENGTH, 1)
-    call = PATHS[args.path](model, inputs, settings_for(args.model, 0, args.new_tokens))
+    beams = BEAMS if args.path.endswith("-beams") else 0
+    call = PATHS[args.path](model, inputs, settings_for(args.model, beams, args.new_tokens))
     first_s, tokens = timed(device, call)
+    phases = compile_phases()
     second_s, _ = timed(device, call)
     saved: dict[str, Any] | None = None
     if args.child == "empty_dir":
@@ -71,11 +75,26 @@ def child(args: argparse.Namespace) -> None:
         "load_artifacts_s": round(load_s, 3),
         "first_call_s": round(first_s, 3),
         "second_call_s": round(second_s, 3),
+        "compile_phases_s": phases,
         "counters": {name: dict(counters[name]) for name in ("inductor", "aot_autograd")},
         "saved": saved,
         "tokens": tokens.tolist(),
     }
     print("RESULT " + json.dumps(record), flush=True)
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds torch's compiler spent so far in this process, by phase, the largest first (its own timers,
+    `torch._dynamo.utils.compile_times`, summed over every compiled function): dynamo's tracing
+    (`bytecode_tracing`), AOTAutograd (`create_aot_dispatcher_function`), inductor's lowering and code
+    generation (`GraphLowering.*`, `Scheduler.*`), compiling the generated code (`compile_file`,
+    `async_compile.wait`), guards (`build_guards`)."""
+    found = compile_times(repr="csv", aggregate=True)
+    if not isinstance(found, tuple):
+        return {}
+    names, values = found
+    phases = {str(name): round(float(str(value)), 3) for name, value in zip(names, values, strict=True)}
+    return dict(sorted(phases.items(), key=lambda item: -item[1]))
 
 
 def _generate_call(model: PreTrainedModel, inputs: zoo.Inputs, settings: Settings) -> Callable[[], torch.Tensor]:
@@ -95,7 +114,9 @@ def _cachelife_generate_call(
 PATHS: dict[str, Callable[[PreTrainedModel, zoo.Inputs, Settings], Callable[[], torch.Tensor]]] = {
     "generate": _generate_call,
     "cachelife-generate": _cachelife_generate_call,
+    "cachelife-generate-beams": _cachelife_generate_call,  # with BEAMS beams
 }
+BEAMS = 5
 
 
 def run_role(role: str, args: argparse.Namespace, model: str, path: str, folder: Path) -> dict[str, Any]:
@@ -131,6 +152,7 @@ def main() -> int:
     parser.add_argument("--paths", default="generate", help=f"any of {', '.join(PATHS)}, comma-separated")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--tag", default="", help="a word for the results file's name (warm-start-TAG-...)")
     parser.add_argument("--child", choices=ROLES, help=argparse.SUPPRESS)
     parser.add_argument("--artifacts", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -147,7 +169,8 @@ def main() -> int:
         "batch_size": BATCH, "input_length": LENGTH, "new_tokens": args.new_tokens, "dtype": args.dtype,
         "generation_config": "the model's own",
     }  # fmt: skip
-    results = results_file(args.out, "warm-start", device, "warm-start", {"settings": settings, "results": []})
+    stem = f"warm-start-{args.tag}" if args.tag else "warm-start"
+    results = results_file(args.out, stem, device, "warm-start", {"settings": settings, "results": []})
     for model in args.models.split(","):
         for path in args.paths.split(","):
             results.add(measure(args, model, path))
