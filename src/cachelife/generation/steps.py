@@ -51,6 +51,12 @@ class LoopSettings:
     encoder_buckets: Buckets | None = None
 
 
+def uses_own_graphs(settings: LoopSettings, device: torch.device) -> bool:
+    """Whether steps with these settings run as replays of graphs cachelife captures (a compiled step,
+    `cuda_graphs="cachelife"`, on a device that captures)."""
+    return settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device)
+
+
 def prefill(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -146,7 +152,7 @@ def stepper(
     `GraphedSteps`'; `fixed_buffers` says that the caller keeps its caches for the steps' whole life (an
     engine's), so no pool is needed to keep their addresses."""
     spc, device = settings.steps_per_call, model.device
-    if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
+    if uses_own_graphs(settings, device):
         if not fixed_buffers and pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
             logger.warning(
                 "cachelife.generate: %s is not enabled (no cache pool), so its caches get new addresses on every "

@@ -21,8 +21,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import lifecycle
-from cachelife.generation.graphs import captures_on
-from cachelife.generation.steps import LoopSettings, stepper
+from cachelife.generation.steps import LoopSettings, stepper, uses_own_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +42,7 @@ class Prefill:
     def __init__(self, model: PreTrainedModel, scratch: object, settings: LoopSettings, vocab: int) -> None:
         # One forward per graph, whatever the engine's steps per call.
         self.model, self.scratch, self.settings = model, scratch, attrs.evolve(settings, steps_per_call=1)
-        self.captures = (
-            bool(model.config.is_encoder_decoder)
-            and settings.compile_step
-            and settings.cuda_graphs == "cachelife"
-            and captures_on(model.device)
-        )
+        self.captures = bool(model.config.is_encoder_decoder) and uses_own_graphs(settings, model.device)
         self.logits = torch.zeros(1, vocab, dtype=torch.float32, device=model.device)
         torch._dynamo.mark_static_address(self.logits)
         # shape key -> (static inputs, the function that runs the forward on them)

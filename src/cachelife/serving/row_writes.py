@@ -20,8 +20,8 @@ from transformers import PreTrainedModel
 from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.core.layer_lifecycle import LayerLifecycle
 from cachelife.errors import UnsupportedGenerationError
-from cachelife.generation.graphs import GraphedSteps, captures_on
-from cachelife.generation.steps import LoopSettings
+from cachelife.generation.graphs import GraphedSteps
+from cachelife.generation.steps import LoopSettings, uses_own_graphs
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (the batch's tensor, the scratch cache's)
 
@@ -72,7 +72,7 @@ class RowWrites:
             "positions": [layer.layer.cumulative_length for layer in mine.self_attention], "grids": grids,
         }  # fmt: skip
         self._run: Callable[[], int] = self._eager
-        if settings.compile_step and settings.cuda_graphs == "cachelife" and captures_on(device):
+        if uses_own_graphs(settings, device):
             graphed = GraphedSteps(
                 model, "engine row writes", lambda index, settings: write_row(**self.arguments), 1,
                 (cache, scratch, self.arguments), (), device,
