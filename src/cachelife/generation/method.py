@@ -88,11 +88,16 @@ def unsupported_window(model: PreTrainedModel, config: GenerationConfig, setting
     reads the int afresh at every step."""
     if not settings.compile_step:
         return None
-    positions = int_field(config, "max_length") + settings.steps_per_call
-    layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=positions).layers
-    if any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers):
+    if has_sliding_layers(model, int_field(config, "max_length") + settings.steps_per_call):
         return "sliding-window attention in a compiled step (pass compile_step=False for cachelife's eager step)"
     return None
+
+
+def has_sliding_layers(model: PreTrainedModel, positions: int) -> bool:
+    """Whether a static cache of `positions` for the model's decoder has sliding-window layers (a window
+    longer than `positions` makes a full layer)."""
+    layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=positions).layers
+    return any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers)
 
 
 def decoding_method(

@@ -16,7 +16,6 @@ from typing import Any, cast
 import torch
 from attrs import define
 from transformers import PreTrainedModel
-from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
@@ -24,6 +23,7 @@ from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
 from cachelife.generation.arguments import eos_ids, special_tokens
 from cachelife.generation.beams import buffer_width
+from cachelife.generation.method import has_sliding_layers
 from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.integration.buckets import check_bucketable
 from cachelife.integration.call_arguments import cache_argument_name
@@ -62,9 +62,9 @@ class Batch:
                  encoder_length: int | None) -> None:  # fmt: skip
         self.model, self.settings, self.max_length = model, settings, max_length
         self.names = step_names(model)
-        refuse_sliding_windows(model)
-        self.encoder_length = encoder_length_of(model, encoder_length)
         self.width = max_length + settings.steps_per_call
+        refuse_sliding_windows(model, self.width)
+        self.encoder_length = encoder_length_of(model, encoder_length)
         self.vocab = vocab_size(model)
         device = model.device
         self.rows = Rows.allocate(rows, buffer_width(max_length), self.width, device)
@@ -311,11 +311,10 @@ def step_names(model: PreTrainedModel) -> StepNames:
     raise UnsupportedGenerationError(msg)
 
 
-def refuse_sliding_windows(model: PreTrainedModel) -> None:
-    """`UnsupportedGenerationError` for a model with sliding-window attention layers: their buffers hold a
-    window, not the batch's slots, which the rows share."""
-    layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=8).layers
-    if any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers):
+def refuse_sliding_windows(model: PreTrainedModel, width: int) -> None:
+    """`UnsupportedGenerationError` for a model with sliding-window attention layers at the cache's `width`:
+    their buffers hold a window, not the batch's slots, which the rows share."""
+    if has_sliding_layers(model, width):
         msg = (
             f"{type(model).__name__} has sliding-window attention layers, whose buffers hold a window rather "
             "than the slots the engine's rows share; decode it with cachelife.generate"
