@@ -224,7 +224,7 @@ def beam_steps(
 ) -> None:
     """`steps` beam-search steps (the function that gets compiled)."""
     for index in range(steps):
-        reorder_cache(state, self_attention)
+        reorder_cache(state.beam_idx, self_attention)
         positions = {} if padding is None else padding.step_inputs(state.cur_len)
         output = model(**{input_name: state.last_tokens()}, use_cache=True, **step_inputs, **positions)
         beam_step(state, output.logits[:, -1].to(torch.float32), plan, noise[index], record)
@@ -292,7 +292,7 @@ def beam_search(
         return result.sequences
     # transformers reorders the cache at the end of each iteration, cachelife at the start of the next: the last
     # search step's reorder is still pending unless a step ran after the end (then `beam_idx` is the identity).
-    reorder_cache(state, layers)
+    reorder_cache(state.beam_idx, layers)
     length = int(state.cur_len)
     return generate_output(
         model, cache=cache, length=length, beams=True, sequences=result.sequences,
