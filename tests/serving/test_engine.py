@@ -406,7 +406,7 @@ def test_bad_requests_are_refused_before_any_work(
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"num_beams": 2}, "beam search"),
+        ({"num_beams": 2}, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
         ({"max_new_tokens": 60}, "the engine's max_length is 16"),
         ({"no_repeat_ngram_size": 2}, "NoRepeatNGram"),
     ],

@@ -1,6 +1,6 @@
 """GPU tests (marker `gpu`) of cachelife.Engine under cachelife's CUDA graphs (fp32): concurrent requests of
 mixed lengths, greedy and seeded sampling, each equal to its own `cachelife.generate` call, at 1 and 3 steps
-per graph replay."""
+per graph replay; beam requests as groups of rows."""
 
 from __future__ import annotations
 
@@ -46,5 +46,25 @@ def test_concurrent_requests_under_graphs_equal_their_own_generate(
         expected = cachelife.generate(
             built.model, fallback=False, steps_per_call=steps_per_call, generator=seeded(index, request), **request
         )
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), index
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+@pytest.mark.parametrize(
+    ("name", "options"), [("llama-small", {}), ("whisper-small", {}), ("t5", {"encoder_length": 24})]
+)
+def test_beam_requests_under_graphs_equal_their_own_generate(
+    name: str, options: dict[str, Any], steps_per_call: int
+) -> None:
+    built = zoo.build(name, device="cuda")
+    requests = requests_of(built, 8, sampling=False)
+    for index, request in enumerate(requests):
+        request.update(num_beams=3, length_penalty=(1.0, 0.5)[index % 2])
+    with Engine(built.model, rows=7, max_length=48, steps_per_call=steps_per_call, **options) as engine:
+        futures = [engine.submit(**request) for request in requests]
+        results = [future.result(timeout=600) for future in futures]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(built.model, fallback=False, steps_per_call=steps_per_call, **request)
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(result, expected), index

@@ -17,17 +17,19 @@ import torch
 from attrs import define
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
+from transformers.utils import ModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
-from cachelife.generation.arguments import eos_ids, special_tokens
-from cachelife.generation.beams import buffer_width
+from cachelife.generation.arguments import early_stopping, eos_ids, float_field, special_tokens
+from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.method import has_sliding_layers
 from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.integration.buckets import check_bucketable
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.runtime import FIRST_CALLS
+from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining, hand_back
 from cachelife.serving.row_writes import RowWrites, layer_tensors
@@ -48,10 +50,13 @@ class _EncoderRow:
 
 @define
 class _Seat:
+    """A request's rows: `size` rows from the row it is keyed by (its beams; 1 without beam search)."""
+
     joining: Joining
     start: int
     end: int
     streamed: int  # the row's tokens handed to its request's streamer so far (the prompt's by generate)
+    size: int = 1
     unused: int = 0  # leading noise buffers holding draws no step used yet
 
 
@@ -83,16 +88,17 @@ class Batch:
             torch._dynamo.mark_static_address(buffer)
         self.slots = [Slot(row) for row in range(rows)]
         self.seats: dict[int, _Seat] = {}
-        self.programs: dict[tuple[object, ...], tuple[Program, Callable[[], int]]] = {}
-        self.program: Program | None = None
+        self.programs: dict[tuple[object, ...], tuple[Program | BeamProgram, Callable[[], int]]] = {}
+        self.beam_states: dict[tuple[object, ...], BeamState] = {}
+        self.program: Program | BeamProgram | None = None
         self.slot = 0  # where every row writes its next key and value
         self.steps = 0
         self.moves = 0
         self.joins = 0
 
     def has_room_for(self, joining: Joining) -> Placement | None:
-        """Where `joining` goes if it may join now: a free row, the same program, room in the cache."""
-        if len(self.seats) == len(self.slots):
+        """Where `joining` goes if it may join now: free rows, the same program, room in the cache."""
+        if self._free_rows(joining.beams) is None:
             return None
         if self.seats and self.program is not None and joining.key != self.program.key:
             return None
@@ -104,10 +110,15 @@ class Batch:
 
     def join(self, joining: Joining, placement: Placement) -> None:
         """Write the newcomer's prompt into a free row so that it ends before the placement's slot, and pick
-        its first token; a failure fails the newcomer alone and leaves the other rows as they were."""
-        row = next(slot.row for slot in self.slots if isinstance(slot.state, Free))
-        slot = self.slots[row]
-        slot.move("admit", Prefilling(joining.request.number))
+        its first token (or its beams' first step); a failure fails the newcomer alone and leaves the other rows
+        as they were."""
+        first = self._free_rows(joining.beams)
+        if first is None:  # unreachable: `has_room_for` found the rows, and only this thread takes them
+            hand_back(joining, error=UnsupportedGenerationError("the engine had no free rows for the request"))
+            return
+        group = self.slots[first : first + joining.beams]
+        for slot in group:
+            slot.move("admit", Prefilling(joining.request.number))
         try:
             program = self.program if self.seats and self.program is not None else self._program_for(joining)
             # Not while another thread compiles: dynamo's "compiling" flag is the whole process's, and the
@@ -115,42 +126,63 @@ class Batch:
             with FIRST_CALLS:
                 logits, encoder = self._prefill(joining)
         except Exception as error:
-            slot.move("fail", Free())
+            for slot in group:
+                slot.move("fail", Free())
             hand_back(joining, error=error)
             return
         try:
-            start = self._place(row, joining, placement, program=program, logits=logits, encoder=encoder)
+            start = self._place(first, joining, placement, program=program, logits=logits, encoder=encoder)
         except BaseException as error:
             # A roll moves every row: past the prefill, a failure leaves the batch's buffers in doubt, and the
             # scheduler fails every row after this one.
-            self.rows.free(row)
-            slot.move("fail", Free())
+            for slot in group:
+                self.rows.free(slot.row)
+                slot.move("fail", Free())
             hand_back(joining, error=error)
             raise
-        slot.move("start", Decoding(joining.request.number, start))
+        for slot in group:
+            slot.move("start", Decoding(joining.request.number, start))
         self.joins += 1
-        self.seats[row] = _Seat(joining, start, self.slot + joining.max_length - joining.prompt - 1, joining.prompt)
+        end = self.slot + joining.max_length - joining.prompt - 1
+        self.seats[first] = _Seat(joining, start, end, joining.prompt, joining.beams)
+
+    def _free_rows(self, size: int) -> int | None:
+        """The first row of `size` free neighbouring rows at a multiple of `size`, or None."""
+        for first in range(0, len(self.slots) - size + 1, size):
+            if all(isinstance(slot.state, Free) for slot in self.slots[first : first + size]):
+                return first
+        return None
 
     def _place(
-        self, row: int, joining: Joining, placement: Placement, *, program: Program, logits: torch.Tensor,
-        encoder: _EncoderRow | None,
+        self, first: int, joining: Joining, placement: Placement, *, program: Program | BeamProgram,
+        logits: torch.Tensor, encoder: _EncoderRow | None,
     ) -> int:  # fmt: skip
-        """Move the rows as the placement says, copy the prefill into `row`, pick the first token; the row's
-        first slot."""
+        """Move the rows as the placement says, copy the prefill into the request's rows from `first`, pick the
+        first token (or take the beams' first step); the rows' first slot."""
         self.program = program
         if placement.shift:
             self._roll(placement.shift)
         self.slot = placement.slot
         start = self.slot - joining.prompt
-        self.writes.write(row, start, self.slot)
-        if encoder is not None:
-            self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
-            if encoder.mask is not None:
-                self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
-        self.rows.start(row, joining.input_ids, joining.max_length, start)
-        for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
-            buffer[row] = value
-        self._first_token(row, joining, logits, program)
+        for row in range(first, first + joining.beams):
+            self.writes.write(row, start, self.slot)
+            if encoder is not None:
+                self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
+                if encoder.mask is not None:
+                    self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
+            self.rows.start(row, joining.input_ids[:1], joining.max_length, start)
+            for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
+                buffer[row] = value
+        if isinstance(program, BeamProgram):
+            noise = torch.ones(joining.beams, self.vocab, device=logits.device)
+            if joining.generator is not None:
+                noise.exponential_(generator=joining.generator)
+            start_group(
+                self.beam_states[program.key], program, first // joining.beams, prompt=joining.input_ids,
+                max_length=joining.max_length, logits=logits, noise=noise,
+            )  # fmt: skip
+        else:
+            self._first_token(first, joining, logits, program)
         return start
 
     def advance(self) -> None:
@@ -162,13 +194,13 @@ class Batch:
             generator = seat.joining.generator
             if generator is not None:
                 for buffer in self.noise[seat.unused :]:
-                    buffer[row].exponential_(generator=generator)
+                    buffer[row : row + seat.size].exponential_(generator=generator)
         ran = self.programs[self.program.key][1]()
         for row, seat in self.seats.items():  # draws a call did not use come first in the next
             if seat.joining.generator is None:
                 continue
             for index in range(spc - ran):
-                self.noise[index][row].copy_(self.noise[ran + index][row])
+                self.noise[index][row : row + seat.size].copy_(self.noise[ran + index][row : row + seat.size])
             seat.unused = max(spc - ran, 0)
         self.slot += ran
         self.steps += ran
@@ -177,6 +209,9 @@ class Batch:
         """Hand streaming rows' new tokens over, hand back the rows that ended (one host read of lengths and
         end flags), and leave abandoned ones."""
         if not self.seats:
+            return
+        if isinstance(self.program, BeamProgram):
+            self._collect_groups(self.program)
             return
         lengths, unfinished = self.rows.length.tolist(), self.rows.unfinished.tolist()
         for row, seat in list(self.seats.items()):
@@ -191,12 +226,31 @@ class Batch:
             if not unfinished[row] or lengths[row] >= joining.max_length:
                 self.end(row, tokens=self.rows.tokens[row : row + 1, : lengths[row]].clone())
 
+    def _collect_groups(self, program: BeamProgram) -> None:
+        """Hand back the groups whose search ended (one host read of the running flags), and leave abandoned
+        ones."""
+        running = self.beam_states[program.key].running.tolist()
+        for row, seat in list(self.seats.items()):
+            joining = seat.joining
+            if joining.abandoned:
+                self.end(row)
+            elif not running[row // seat.size]:
+                tokens = group_output(
+                    self.beam_states[program.key], row // seat.size, prompt_length=joining.prompt,
+                    sequences=joining.sequences,
+                )  # fmt: skip
+                self.end(row, tokens=tokens)
+
     def end(self, row: int, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+        """The request in the rows from `row` ends: its rows are freed (its search stopped) and it is handed
+        its tokens or its error."""
         seat = self.seats.pop(row)
-        slot = self.slots[row]
-        slot.move("finish", Finished(seat.joining.request.number))
-        self.rows.free(row)
-        slot.move("free", Free())
+        for slot in self.slots[row : row + seat.size]:
+            slot.move("finish", Finished(seat.joining.request.number))
+            self.rows.free(slot.row)
+            slot.move("free", Free())
+        if isinstance(self.program, BeamProgram):
+            self.beam_states[self.program.key].running[row // seat.size] = False
         hand_back(seat.joining, tokens=tokens, error=error)
 
     def fail_all(self, error: BaseException) -> None:
@@ -206,18 +260,49 @@ class Batch:
 
     # -- joining ---------------------------------------------------------------------------------------------
 
-    def _program_for(self, joining: Joining) -> Program:
+    def _program_for(self, joining: Joining) -> Program | BeamProgram:
         found = self.programs.get(joining.key)
         if found is None:
             config = joining.config
             pad = special_tokens(config, "_pad_token_tensor")
-            program = build_program(
-                joining.converted, joining.key, rows=len(self.slots), do_sample=bool(config.do_sample),
-                eos=eos_ids(config), pad=0 if pad is None else int(pad),
-            )  # fmt: skip
-            found = (program, self._stepper(program))
+            if joining.beams > 1:
+                found = self._beam_program(joining)
+            else:
+                program = build_program(
+                    joining.converted, joining.key, rows=len(self.slots), do_sample=bool(config.do_sample),
+                    eos=eos_ids(config), pad=0 if pad is None else int(pad),
+                )  # fmt: skip
+                found = (program, self._stepper(program))
             self.programs[joining.key] = found
         return found[0]
+
+    def _beam_program(self, joining: Joining) -> tuple[BeamProgram, Callable[[], int]]:
+        config, device = joining.config, self.model.device
+        pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
+        fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
+        program = build_beam_program(
+            joining.converted, joining.key, rows=len(self.slots), beams=joining.beams, eos=eos_ids(config),
+            fill=fill, width=self.rows.tokens.shape[1], early_stopping=early_stopping(config),
+            length_penalty=float_field(config, "length_penalty"), do_sample=bool(config.do_sample), device=device,
+        )  # fmt: skip
+        state = BeamState.allocate(program.plan, device)
+        self.beam_states[joining.key] = state
+        layers = lifecycle(self.cache).self_attention
+        self_attention = [layer.layer for layer in layers]
+
+        def arguments(index: int, steps: int, settings: Any) -> dict[str, Any]:
+            return {
+                "model": self.model, "rows": self.rows, "state": state, "noise": self.noise[index : index + steps],
+                "program": settings, "step_inputs": self.step_inputs, "steps": steps, "names": self.names,
+                "self_attention": self_attention,
+            }  # fmt: skip
+
+        advance = stepper(
+            self.model, "engine beams", engine_beam_steps, arguments,
+            in_place=(self.model, self.rows, state, self.noise, self.step_inputs, self_attention), read_only=program,
+            settings=self.settings, fixed_buffers=True,
+        )  # fmt: skip
+        return program, advance
 
     def _stepper(self, program: Program) -> Callable[[], int]:
         def arguments(index: int, steps: int, settings: Any) -> dict[str, Any]:
@@ -235,12 +320,12 @@ class Batch:
     def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:
         """The newcomer's prompt through the prefill on the scratch cache: its last logits, and its encoder
         output (and mask) at the engine's encoder length."""
-        kwargs = dict(joining.model_kwargs)
+        kwargs = first_sequence(joining.model_kwargs, joining.beams)
         for stale in ("cache", "past_key_values"):
             kwargs.pop(stale, None)
         kwargs[self.names.cache] = self.scratch
         encoder = None if self.encoder_length is None else self._encoder_inputs(kwargs, self.encoder_length)
-        return self.prefill(joining.input_ids, joining.config, kwargs), encoder
+        return self.prefill(joining.input_ids[:1], joining.config, kwargs), encoder
 
     def _encoder_inputs(self, kwargs: dict[str, Any], width: int) -> _EncoderRow:
         """The newcomer's encoder output (and mask) padded to the engine's encoder length, in `kwargs`."""
@@ -283,10 +368,28 @@ class Batch:
         for layer in lifecycle(self.cache).self_attention:
             for tensor in layer_tensors(layer):
                 tensor.copy_(torch.roll(tensor, shift, dims=2))
-        for row, seat in self.seats.items():
+        for first, seat in self.seats.items():
             seat.start += shift
             seat.end += shift
-            self.rows.attend_from(row, seat.start)
+            for row in range(first, first + seat.size):
+                self.rows.attend_from(row, seat.start)
+
+
+def first_sequence(model_kwargs: dict[str, Any], rows: int) -> dict[str, Any]:
+    """`generate`'s prepared inputs for one of its `rows` identical sequences (a beam request's, which
+    transformers repeats once per beam): every tensor with `rows` leading entries (and the encoder's output)
+    cut to the first."""
+    if rows == 1:
+        return dict(model_kwargs)
+
+    def first(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return value[:1]
+        if isinstance(value, ModelOutput):  # the encoder's output
+            return type(value)(**{name: first(field) for name, field in value.items()})
+        return value
+
+    return {name: first(value) for name, value in model_kwargs.items()}
 
 
 def step_names(model: PreTrainedModel) -> StepNames:

@@ -36,7 +36,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError
 from cachelife.generation.api import check_generator, check_model
-from cachelife.generation.arguments import eos_ids, int_field, special_tokens
+from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.steps import CudaGraphs, LoopSettings
 from cachelife.serving.batch import Batch
 from cachelife.serving.requests import (
@@ -259,6 +259,13 @@ class Engine:
                 f"max_length is {batch.max_length}: ask for fewer new tokens, or make the engine's longer"
             )
             raise InvalidArgumentError(msg)
+        beams = int_field(config, "num_beams")
+        if beams > len(batch.slots):
+            msg = (
+                f"the request asks for num_beams={beams}, which takes {beams} of the engine's rows; the engine "
+                f"has {len(batch.slots)}: ask for fewer beams, or make the engine's rows more"
+            )
+            raise InvalidArgumentError(msg)
         generator = request.generator
         if config.do_sample and generator is None:
             generator = torch.Generator(device=model.device).manual_seed(int(torch.randint(2**62, ())))
@@ -266,9 +273,14 @@ class Engine:
         pad_tensor = special_tokens(config, "_pad_token_tensor")
         pad = 0 if pad_tensor is None else int(pad_tensor)
         key = program_key(converted, do_sample=bool(config.do_sample), eos=eos, pad=pad)
+        if beams > 1:  # requests of other beam settings run another program
+            key = (*key, beams, float_field(config, "length_penalty"), early_stopping(config))
         # transformers' generate put the prompt into the streamer; the new tokens come from the rows.
         streamer = request.kwargs.get("streamer")
-        joining = Joining(request, input_ids, model_kwargs, config, converted, key, max_length, generator, streamer)
+        joining = Joining(
+            request, input_ids, model_kwargs, config, converted, key, max_length, generator, streamer, beams,
+            int_field(config, "num_return_sequences"),
+        )  # fmt: skip
         with self._wake:
             if self._closed:
                 msg = "the engine was closed before the request got a row"

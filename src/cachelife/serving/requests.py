@@ -54,6 +54,8 @@ class Joining:
     max_length: int
     generator: torch.Generator | None
     streamer: BaseStreamer | None = None
+    beams: int = 1  # rows the request takes (num_beams; its input_ids hold one copy of the prompt per beam)
+    sequences: int = 1  # hypotheses it returns (num_return_sequences)
     done: threading.Event = field(factory=threading.Event)
     # Set on every hand-over to the request's thread: new tokens for its streamer, or the end.
     news: threading.Event = field(factory=threading.Event)
@@ -103,12 +105,14 @@ def prepared_processors(
 ) -> tuple[TensorProcessor, ...]:  # fmt: skip
     """The request's processors as the engine's step runs them, or `UnsupportedGenerationError` naming what
     the engine does not decode (what `generate` prepared, read in its thread)."""
-    if int_field(config, "num_beams") > 1:
-        reason: str | None = "beam search (num_beams > 1)"
-    elif getattr(config, "return_dict_in_generate", False):
-        reason = "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
-    elif int(input_ids.shape[0]) != 1:
-        reason = f"{int(input_ids.shape[0])} sequences for one request (num_return_sequences)"
+    beams = int_field(config, "num_beams")
+    if getattr(config, "return_dict_in_generate", False):
+        reason: str | None = "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
+    elif int(input_ids.shape[0]) != beams:
+        reason = (
+            f"{int(input_ids.shape[0])} sequences for one request of {beams} beam(s) (num_return_sequences "
+            "without beam search, or Whisper's)"
+        )
     else:
         found = host_criteria(criteria)
         reason = (

@@ -140,6 +140,15 @@ def build_program(
     eos: torch.Tensor | None, pad: int,
 ) -> Program:  # fmt: skip
     """A program from one request's converted processors, the per-row fields as (rows, 1) buffers."""
+    made, per_row = per_row_buffers(converted, rows)
+    return Program(key, made, per_row, do_sample, eos, pad)
+
+
+def per_row_buffers(
+    converted: Sequence[TensorProcessor], rows: int
+) -> tuple[tuple[TensorProcessor, ...], tuple[torch.Tensor, ...]]:
+    """The processors with their per-row fields as static (rows, 1) buffers, and those buffers in the order
+    `row_values` lists their values."""
     per_row: list[torch.Tensor] = []
     made: list[TensorProcessor] = []
     for processor in converted:
@@ -155,7 +164,7 @@ def build_program(
             buffers[name] = buffer
             per_row.append(buffer)
         made.append(attrs.evolve(processor, **buffers))  # type: ignore[misc]  # the rewrites are attrs classes
-    return Program(key, tuple(made), tuple(per_row), do_sample, eos, pad)
+    return tuple(made), tuple(per_row)
 
 
 def engine_steps(
