@@ -2,7 +2,7 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,sequential,auto,generate_batch] [--ttft] [--out DIR]
+                           [--paths engine,sequential,auto,generate_batch] [--num-beams 1] [--ttft] [--out DIR]
 
 `--requests` requests with mixed lengths (new tokens spread over `--new-tokens`, exactly that many each:
 `min_new_tokens = max_new_tokens`; decoder-only prompts of 16-128 tokens; Whisper's 30-second windows of
@@ -19,7 +19,9 @@ met yet) lands in whichever client count runs first. Per path: wall seconds, new
 request's latency (submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), for
 the engine the steps and joins of that run and the scheduler's seconds spent admitting newcomers and running
 steps, with `--ttft` each path's time to first token (submit to the streamer's first new token: every timed
-request gets a streamer), and how many requests' tokens equal `sequential`'s (in bf16 a batch's matrix
+request gets a streamer; not with beams, which transformers does not stream), with `--num-beams` every
+request a beam search (a group of that many rows in the engine), and how many requests' tokens equal
+`sequential`'s (in bf16 a batch's matrix
 products may round otherwise than one row's, so near ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
@@ -52,7 +54,9 @@ from cachelife.tools.recipe import pick_device
 Request = dict[str, Any]
 
 
-def requests_for(model: PreTrainedModel, count: int, new_tokens: tuple[int, int], seed: int = 0) -> list[Request]:
+def requests_for(
+    model: PreTrainedModel, count: int, new_tokens: tuple[int, int], seed: int = 0, beams: int = 1
+) -> list[Request]:
     generator = torch.Generator().manual_seed(seed)
     shortest, longest = new_tokens
     made = []
@@ -68,7 +72,7 @@ def requests_for(model: PreTrainedModel, count: int, new_tokens: tuple[int, int]
             length = 16 + (index * 53) % 113
             ids = torch.randint(3, int(model.config.vocab_size), (1, length), generator=generator)
             inputs = {"input_ids": ids.to(model.device), "attention_mask": torch.ones_like(ids, device=model.device)}
-        made.append({**inputs, "max_new_tokens": tokens, "min_new_tokens": tokens})
+        made.append({**inputs, "max_new_tokens": tokens, "min_new_tokens": tokens, "num_beams": beams})
     return made
 
 
@@ -199,6 +203,25 @@ def engine_runs(
                      "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4)})  # fmt: skip
 
 
+def generate_batch_run(model: PreTrainedModel, requests: list[Request], longest: int, device: torch.device) -> Request:
+    """transformers' continuous batching, every request given at once (each `longest` new tokens)."""
+    ids = [request["input_ids"][0].tolist() for request in requests]
+    config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                              eos_token_id=model.generation_config.eos_token_id,
+                              pad_token_id=model.generation_config.pad_token_id)  # fmt: skip
+    generate_batch = cast("Callable[..., object]", model.generate_batch)
+    generate_batch(inputs=ids[:4], generation_config=config)  # warm-up
+    synchronize(device)
+    started = time.perf_counter()
+    generate_batch(inputs=ids, generation_config=config)
+    synchronize(device)
+    wall = time.perf_counter() - started
+    longest_new = longest * len(requests)
+    return {"path": "generate_batch", "wall_s": round(wall, 4), "new_tokens": longest_new,
+            "tokens_per_s": round(longest_new / wall, 1),
+            "note": f"every request {longest} new tokens (one generation config for the batch)"}  # fmt: skip
+
+
 def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--model", default="whisper-large-v3", choices=sorted({*MODEL_NAMES, *zoo.MODEL_NAMES}))
@@ -209,6 +232,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", default="16,64")
     parser.add_argument("--paths", default="engine,sequential")
     parser.add_argument("--steps-per-call", type=int, default=1, help="for the engine and sequential paths")
+    parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams per request")
     parser.add_argument(
         "--ttft", action="store_true", help="give every timed request a streamer and report time to first token"
     )
@@ -225,13 +249,16 @@ def main() -> int:
         if args.model in MODEL_NAMES
         else zoo.build(args.model, device=device, dtype=dtype).model
     )
-    requests = requests_for(model, args.requests, (shortest, longest))
+    if args.num_beams > 1 and (args.ttft or "generate_batch" in paths):
+        parser.error("--num-beams: transformers streams no beam search and its generate_batch runs none")
+    requests = requests_for(model, args.requests, (shortest, longest), beams=args.num_beams)
     new = sum(int(request["max_new_tokens"]) for request in requests)
     stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
     stem += "-ttft" if args.ttft else ""
+    stem += f"-beams{args.num_beams}" if args.num_beams > 1 else ""
     out = results_file(args.out, stem, device, "bench.engine", {
         "model": args.model, "dtype": args.dtype, "requests": args.requests, "rows": args.rows,
-        "steps_per_call": args.steps_per_call,
+        "steps_per_call": args.steps_per_call, "num_beams": args.num_beams,
         "new_tokens": [shortest, longest], "argv": sys.argv[1:], "results": [],
     })  # fmt: skip
     reference: list[torch.Tensor] | None = None
@@ -253,21 +280,7 @@ def main() -> int:
         wall, latencies, _, firsts = one_at_a_time(theirs, requests, device, ttft=args.ttft)
         out.add(summary("auto", wall, latencies, new, firsts))
     if "generate_batch" in paths and not model.config.is_encoder_decoder:
-        ids = [request["input_ids"][0].tolist() for request in requests]
-        config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                                  eos_token_id=model.generation_config.eos_token_id,
-                                  pad_token_id=model.generation_config.pad_token_id)  # fmt: skip
-        generate_batch = cast("Callable[..., object]", model.generate_batch)
-        generate_batch(inputs=ids[:4], generation_config=config)  # warm-up
-        synchronize(device)
-        started = time.perf_counter()
-        generate_batch(inputs=ids, generation_config=config)
-        synchronize(device)
-        wall = time.perf_counter() - started
-        longest_new = longest * len(requests)
-        out.add({"path": "generate_batch", "wall_s": round(wall, 4), "new_tokens": longest_new,
-                 "tokens_per_s": round(longest_new / wall, 1),
-                 "note": f"every request {longest} new tokens (one generation config for the batch)"})  # fmt: skip
+        out.add(generate_batch_run(model, requests, longest, device))
     out.finish()
     return 0
 

@@ -248,6 +248,16 @@ _ENTRIES = (
         "cuda", "engine-whisper-large-v3-cuda*.json",
     ),
     Benchmark(
+        "engine-whisper-beams", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,4,16",
+         "--requests", "32", "--rows", "40", "--new-tokens", "16,64", "--num-beams", "5",
+         "--paths", "engine,sequential"),
+        "cachelife.Engine (40 rows: 8 groups of 5 beams) on the whisper-large-v3 shape, bf16, 5 beams: 32 requests "
+        "of 16-64 new tokens from 1, 4 and 16 client threads against sequential cachelife.generate; throughput "
+        "and latency p50/p99, tokens checked equal",
+        "cuda", "engine-whisper-large-v3-beams5-*cuda*.json",
+    ),
+    Benchmark(
         "engine-whisper-ttft", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16",
          "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--ttft"),
@@ -282,6 +292,14 @@ _ENTRIES = (
         "cuda", "longform-whisper-large-v3-cuda-*.json",
     ),
     # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
+    Benchmark(
+        "engine-beams-cpu", "bench.engine",
+        ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--clients", "1,4", "--requests", "8",
+         "--rows", "6", "--new-tokens", "4,12", "--num-beams", "3", "--paths", "engine,sequential"),
+        "cachelife.Engine with 3-beam requests (6 rows: 2 groups) on the CPU, llama-small, fp32, 8 requests from "
+        "1 and 4 clients against sequential cachelife.generate, tokens checked equal",
+        "cpu", "engine-llama-small-beams3-cpu-*.json",
+    ),
     Benchmark(
         "decode-cpu", "bench.decode", ("--device", "cpu", "--models", "t5-small,llama-small"),
         "the decode harness on the CPU, t5-small and llama-small shapes",
