@@ -9,7 +9,8 @@
 random features) are served, per path:
 - `engine_cN`: an `Engine(rows=--rows)` with N client threads, each submitting its share of the requests one
   after the other (closed loop), once per `--clients` value;
-- `sequential`: `cachelife.generate` on each request in turn, one thread (the same compiled step and graphs);
+- `sequential`: `cachelife.generate` on each request in turn, one thread, the model enabled
+  (`cachelife.enable`: its caches and graphs kept between calls);
   both at `--steps-per-call` steps per graph replay;
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
@@ -262,6 +263,9 @@ def main() -> int:
         "new_tokens": [shortest, longest], "argv": sys.argv[1:], "results": [],
     })  # fmt: skip
     reference: list[torch.Tensor] | None = None
+    # As the docs ask of every user: without it, each sequential call gets new cache addresses and captures a
+    # new CUDA graph. The engine keeps caches of its own either way.
+    cachelife.enable(model)
     if "sequential" in paths or "engine" in paths:
 
         def ours(request: Request) -> torch.Tensor:
