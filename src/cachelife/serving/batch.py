@@ -3,8 +3,10 @@
 `join` writes a newcomer's prompt into a free row at a step boundary: the prefill (`prefill`) runs on a pinned
 scratch cache of one row, whose keys and values are copied into the row so that the prompt ends just before
 the batch's write slot (`window`), its encoder keys and values whole; the first token is picked as
-`cachelife.generate` picks it. `advance` runs one call of the program's step for every row, `collect` hands
-back the rows that ended. The slots' states are `slots`' table; the device buffers are `rows`'.
+`cachelife.generate` picks it. A beam request takes a group of neighbouring rows, one per beam, each given the
+same prefill, and starts its search from the prefill's logits (`beam_groups`). `advance` runs one call of the
+program's step for every row, `collect` hands back the requests that ended. The slots' states are `slots`'
+table; the device buffers are `rows`' (and a beam program's state, `beam_groups`').
 """
 
 from __future__ import annotations

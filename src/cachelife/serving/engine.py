@@ -58,10 +58,10 @@ logger = logging.getLogger(__name__)
 
 @frozen
 class EngineStats:
-    """A snapshot: rows decoding, prepared requests waiting for a row, requests held (submitted, not done),
-    steps run, the cache's write slot, how often the rows' content was moved to make room, requests that
-    joined a row, and the scheduler's wall seconds spent so far admitting newcomers (prefill, placement, first
-    token) and running steps (calls of the step, hand-backs)."""
+    """A snapshot: requests decoding (a beam request holds a group of rows), prepared requests waiting for
+    rows, requests held (submitted, not done), steps run, the cache's write slot, how often the rows' content
+    was moved to make room, requests that joined, and the scheduler's wall seconds spent so far admitting
+    newcomers (prefill, placement, first token) and running steps (calls of the step, hand-backs)."""
 
     decoding: int
     waiting: int
