@@ -149,6 +149,25 @@ def test_reset_and_release_whole_cache() -> None:
     assert not static_parts(cache)[1].layers[0].is_initialized
 
 
+def test_a_whole_cache_reset_checks_each_layer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every prefill of the engine and every generate call resets a cache: each layer's buffers are checked
+    # once (all of them before any is emptied), not again by the layer's own reset.
+    cache = encoder_decoder_cache()  # held: the lifecycle holds its cache weakly
+    state = cachelife.lifecycle(cache)
+    pin(state)
+    checked: list[object] = []
+    check = buffers.check_unreplaced
+
+    def counting(layer: StaticLayer, recorded: buffers.Buffers, who: str) -> None:
+        checked.append(layer)
+        check(layer, recorded, who)
+
+    monkeypatch.setattr(buffers, "check_unreplaced", counting)
+    state.reset()
+    assert len(checked) == len(state.layers) == 4
+    assert all(isinstance(layer.state, Pinned) for layer in state.layers)
+
+
 def test_replaced_sub_cache_gets_fresh_lifecycles() -> None:
     cache = encoder_decoder_cache()
     state = cachelife.lifecycle(cache)

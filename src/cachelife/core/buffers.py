@@ -186,17 +186,17 @@ def _install(layer: StaticLayer, spec: PinSpec, reuse: Mapping[str, torch.Tensor
     length.zero_()
 
 
-def zero(layer: StaticLayer, recorded: Buffers, who: str) -> None:
-    """Empty the layer in place (transformers' own `reset`), keeping every data pointer."""
-    check_unreplaced(layer, recorded, who)
+def zero(layer: StaticLayer) -> None:
+    """Empty the layer in place (transformers' own `reset`), keeping every data pointer; the caller checked
+    that it holds its recorded tensors (`check_unreplaced`)."""
     layer.reset()
     reorder.share_rows_within_beams(layer, shared=False)
 
 
 def check_unreplaced(layer: StaticLayer, recorded: Buffers, who: str) -> None:
     """Raise `ReplacedBuffersError` if the layer no longer holds the tensors recorded at pin time."""
-    current = observe(layer)
-    now = None if current is None else current.data_ptrs
+    held = layer.is_initialized and layer.keys is not None and layer.values is not None
+    now = tuple((name, tensor.data_ptr()) for name, tensor in static_tensors(layer)) if held else None
     if now != recorded.data_ptrs:
         msg = (
             f"{who}: its buffers were replaced outside cachelife (pinned at {_format_ptrs(recorded.data_ptrs)}, "

@@ -303,11 +303,16 @@ class LayerLifecycle:
 
     def reset(self) -> Pinned:
         """Empty the buffers in place, keeping every data pointer, so they can be filled again."""
-        state = self._state
         self.check("reset")
-        if not isinstance(state, Pinned | Filled):  # unreachable: see TRANSITIONS
+        return self.reset_checked()
+
+    def reset_checked(self) -> Pinned:
+        """`reset` for a caller that has just run `check("reset")` on this layer (a whole cache's all-or-nothing
+        reset checks every layer first), so the layer is not checked twice."""
+        state = self._state
+        if not isinstance(state, Pinned | Filled):  # unreachable after the check: see TRANSITIONS
             raise self._illegal("reset")
-        buffers.zero(self.layer, state.buffers, self.describe())
+        buffers.zero(self.layer)
         self._forget_cross_content()
         new = Pinned(state.buffers)
         self._enter("reset", new)
