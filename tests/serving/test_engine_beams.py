@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.errors import InvalidArgumentError
@@ -178,3 +179,22 @@ def test_a_newcomer_group_leaves_the_others_pending_reorder_and_running_flags() 
     assert state.beam_idx[beams:].tolist() in ([2, 3], [2, 2], [3, 3], [3, 2])  # within its own group
     assert state.running.tolist() == [True, True]
     assert state.cur_len.tolist() == [4, 4]
+
+
+def test_streamed_beam_requests_are_refused_before_any_work() -> None:
+    llama = build("llama")
+    request = {**llama.inputs(1, 4, 0), "max_new_tokens": 4, "num_beams": 2}
+    with Engine(llama.model, rows=2, max_length=16, compile_step=False) as engine:
+        with pytest.raises(InvalidArgumentError, match="num_beams=2"):
+            engine.stream(**request)
+        with pytest.raises(InvalidArgumentError, match="streams no tokens"):
+            engine.submit(**request, streamer=Recording())
+        assert engine.stats().held == 0
+
+
+class Recording(BaseStreamer):
+    def put(self, value: torch.Tensor) -> None:
+        pass
+
+    def end(self) -> None:
+        pass

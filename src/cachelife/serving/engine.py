@@ -168,7 +168,7 @@ class Engine:
         if "streamer" in kwargs:
             msg = "stream() brings its own streamer: pass streamer= to submit() or generate() instead"
             raise InvalidArgumentError(msg)
-        check_request(self._model, kwargs)  # before the first iteration would run anything
+        check_request(self._model, kwargs, streamed=True)  # before the first iteration would run anything
         return tokens_as_they_come(functools.partial(self.submit, generator=generator, timeout=timeout), **kwargs)
 
     def stats(self) -> EngineStats:

@@ -69,8 +69,9 @@ class Joining:
         return int(self.input_ids.shape[1])
 
 
-def check_request(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
-    """What is wrong with a request before any work: `InvalidArgumentError` or `UnsupportedGenerationError`."""
+def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: bool = False) -> None:
+    """What is wrong with a request before any work: `InvalidArgumentError` or `UnsupportedGenerationError`;
+    `streamed` says that its tokens go to a streamer (a `streamer=` in `kwargs` says so too)."""
     ours = sorted(name for name in ENGINE_SETTINGS if name in kwargs)
     if ours:
         msg = f"{', '.join(ours)} are the engine's settings (Engine(model, ...)), not a request's"
@@ -84,7 +85,11 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
     if rows != 1:
         msg = f"an engine request is one sequence (batch 1), got a batch of {rows}: submit each"
         raise InvalidArgumentError(msg)
-    feature = unsupported_argument(kwargs) or unsupported_config(merged_config(model, kwargs))
+    config = merged_config(model, kwargs)
+    if (streamed or kwargs.get("streamer") is not None) and int_field(config, "num_beams") > 1:
+        msg = f"a beam search (num_beams={int_field(config, 'num_beams')}) streams no tokens: transformers refuses it"
+        raise InvalidArgumentError(msg)
+    feature = unsupported_argument(kwargs) or unsupported_config(config)
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
         raise UnsupportedGenerationError(msg)
