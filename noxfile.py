@@ -1,13 +1,16 @@
 """nox sessions. `nox` runs the default set:
 
 - `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers,
-  and on the newest the slow tests too (compiled models, long loops) and cachelife's Triton kernels in
-  Triton's CPU interpreter (`TRITON_INTERPRET=1`), in the same run and environment;
+  and on the newest the slow tests too (compiled models, long loops; a slow test's further model families,
+  marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels in Triton's CPU
+  interpreter (`TRITON_INTERPRET=1`), in the same run and environment; two pytest-xdist workers
+  (`CACHELIFE_TEST_WORKERS`), each compiling in its own process (`TORCHINDUCTOR_COMPILE_THREADS=1`);
 - `typecheck` and `lint`;
 - `docs`: the documentation site, built with warnings as errors.
 
-`nox -s slow` runs the slow tests alone; `nox -s full` runs the whole CPU suite on both transformers
-releases. Every session runs on the Python that runs nox (3.11 to 3.13). torch is installed first, on its own,
+`nox -s slow` runs the slow tests alone, every family; `nox -s full` runs the whole CPU suite on both
+transformers releases. Every session runs on the Python that runs nox (3.11 to 3.13). torch is installed
+first, on its own,
 so that no later requirement lets pip pick another build; where pip's own configuration would hand out a
 CUDA build (several GB, PyPI on Linux) on a machine without a GPU, run
 `CACHELIFE_TORCH_INDEX=https://download.pytorch.org/whl/cpu nox`. `gpu` runs on a GPU machine with the
@@ -35,6 +38,11 @@ TORCH_INDEX = os.environ.get("CACHELIFE_TORCH_INDEX", "")
 # The tested transformers range: the oldest supported release and the newest one.
 TRANSFORMERS = ["5.17.0", "5.24.0"]
 FAST = "not slow and not gpu"
+# The default run's slow tests on the newest transformers: all but their further model families (`exhaustive`).
+CI = "not gpu and not exhaustive"
+# pytest-xdist workers for the CPU suite, which is mostly compilation: one per core of a 2-core CI machine.
+# Tests that share one Ray instance run on one worker (`xdist_group`, `--dist loadgroup`).
+WORKERS = os.environ.get("CACHELIFE_TEST_WORKERS", "2")
 # Triton for the kernel tests on the CPU: no torch requirement of its own, so pip keeps the installed torch.
 TRITON = "triton==3.9.0"
 
@@ -53,7 +61,11 @@ def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | N
     selection may simply fall outside this session's marks (`nox -- tests/test_stubs.py` in `slow`).
     """
     success = [0, 5] if session.posargs else [0]
-    session.run("python", "-m", "pytest", "-m", marks, *args, *session.posargs, env=env, success_codes=success)
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}  # no compile pool per worker: one per core
+    session.run(
+        "python", "-m", "pytest", "-n", WORKERS, "--dist", "loadgroup", "-m", marks, *args, *session.posargs,
+        env=env, success_codes=success,
+    )  # fmt: skip
 
 
 @nox.session
@@ -69,7 +81,7 @@ def tests(session: nox.Session, transformers: str) -> None:
     # Triton in its interpreter runs cachelife's kernels on the CPU (tests/kernels); CUDA builds of torch bring
     # their own Triton.
     session.install(TRITON)
-    pytest(session, "not gpu", env={"TRITON_INTERPRET": "1"})
+    pytest(session, CI, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(default=False)

@@ -38,7 +38,13 @@ def _no_debug_handler() -> Iterator[None]:
     cachelife.disable_debug_logging()
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # a test's model families beyond its `ci_families` are `exhaustive`
+        families = item.get_closest_marker("ci_families")
+        callspec = getattr(item, "callspec", None)
+        if families is not None and callspec is not None and callspec.params.get("name") not in families.args:
+            item.add_marker(pytest.mark.exhaustive)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: no CUDA device here (GPU tests are skipped, not passed)")

@@ -59,6 +59,7 @@ def test_cachelife_generate_takes_the_kernel_with_eager_tokens(name: str) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.ci_families("whisper")
 @pytest.mark.parametrize("name", list(OP_CALLS))
 def test_the_compiled_step_takes_the_kernel_with_eager_tokens(name: str) -> None:
     torch._dynamo.reset()

@@ -49,6 +49,9 @@ from cachelife.serving.openai_api import (
 )
 from cachelife.tools import zoo
 
+# One local Ray instance (a module fixture) for every test here: one pytest-xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("ray")
+
 # transformers' tokenizer and processor classes are not described in typings/: reached through the module.
 transformers = importlib.import_module("transformers")
 tokenizers = importlib.import_module("tokenizers")
