@@ -11,37 +11,29 @@ table; the device buffers are `rows`' (and a beam program's state, `beam_groups`
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from attrs import define
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
-from transformers.utils import ModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState, buffer_width
-from cachelife.generation.method import has_sliding_layers
 from cachelife.generation.steps import LoopSettings, stepper
-from cachelife.integration.buckets import check_bucketable
-from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.runtime import FIRST_CALLS
 from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
+from cachelife.serving.model_facts import encoder_length_of, refuse_sliding_windows, step_names, vocab_size
 from cachelife.serving.prefill import Prefill
-from cachelife.serving.requests import Joining, hand_back
+from cachelife.serving.requests import Joining, first_sequence, hand_back
 from cachelife.serving.row_writes import RowWrites, layer_tensors
-from cachelife.serving.rows import Program, Rows, StepNames, build_program, choose, engine_steps, row_values
+from cachelife.serving.rows import Program, Rows, build_program, choose, engine_steps, row_values
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.window import Occupant, Placement, place
-from cachelife.validate import check_int
-
-# Decoder-side relative positions: the slot-aligned rows keep every distance, so no position ids are needed.
-_RELATIVE_POSITIONS = frozenset({"t5", "mt5"})
 
 
 @define
@@ -375,89 +367,6 @@ class Batch:
             seat.end += shift
             for row in range(first, first + seat.size):
                 self.rows.attend_from(row, seat.start)
-
-
-def first_sequence(model_kwargs: dict[str, Any], rows: int) -> dict[str, Any]:
-    """`generate`'s prepared inputs for one of its `rows` identical sequences (a beam request's, which
-    transformers repeats once per beam): every tensor with `rows` leading entries (and the encoder's output)
-    cut to the first."""
-    if rows == 1:
-        return dict(model_kwargs)
-
-    def first(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            return value[:1]
-        if isinstance(value, ModelOutput):  # the encoder's output
-            return type(value)(**{name: first(field) for name, field in value.items()})
-        return value
-
-    return {name: first(value) for name, value in model_kwargs.items()}
-
-
-def step_names(model: PreTrainedModel) -> StepNames:
-    """The forward's arguments for the engine's step, or `UnsupportedGenerationError` for a model whose
-    decoder reads its positions from the cache's slot (rows that joined at other steps would be misplaced)."""
-    cache = cache_argument_name(model)
-    parameters = set(inspect.signature(model.forward).parameters)
-    if not model.config.is_encoder_decoder:
-        if "position_ids" not in parameters:
-            msg = f"{type(model).__name__}'s forward takes no position_ids, which the engine's rows need"
-            raise UnsupportedGenerationError(msg)
-        return StepNames("input_ids", "attention_mask", "position_ids", cache)
-    if "decoder_position_ids" in parameters:
-        return StepNames("decoder_input_ids", "decoder_attention_mask", "decoder_position_ids", cache)
-    if model.config.model_type in _RELATIVE_POSITIONS:
-        return StepNames("decoder_input_ids", "decoder_attention_mask", None, cache)
-    msg = (
-        f"{type(model).__name__} computes its decoder positions from the cache's slot and takes no "
-        "decoder_position_ids, so the engine's rows (which join at different steps) would be misplaced; "
-        "decode it with cachelife.generate"
-    )
-    raise UnsupportedGenerationError(msg)
-
-
-def refuse_sliding_windows(model: PreTrainedModel, width: int) -> None:
-    """`UnsupportedGenerationError` for a model with sliding-window attention layers at the cache's `width`:
-    their buffers hold a window, not the batch's slots, which the rows share."""
-    if has_sliding_layers(model, width):
-        msg = (
-            f"{type(model).__name__} has sliding-window attention layers, whose buffers hold a window rather "
-            "than the slots the engine's rows share; decode it with cachelife.generate"
-        )
-        raise UnsupportedGenerationError(msg)
-
-
-def encoder_length_of(model: PreTrainedModel, given: int | None) -> int | None:
-    """The encoder output length every row's cross-attention holds: Whisper's fixed one, else `given`."""
-    if not model.config.is_encoder_decoder:
-        if given is not None:
-            msg = f"{type(model).__name__} is decoder-only: pass no encoder_length"
-            raise InvalidArgumentError(msg)
-        return None
-    fixed = getattr(model.config, "max_source_positions", None) if model.config.model_type == "whisper" else None
-    if isinstance(fixed, int):
-        if given is not None and given != fixed:
-            msg = f"Whisper's encoder output has {fixed} positions; encoder_length={given} does not apply"
-            raise InvalidArgumentError(msg)
-        return fixed
-    if given is None:
-        msg = (
-            f"{type(model).__name__} is an encoder-decoder model: pass encoder_length, the longest encoder "
-            "output (source tokens) a request may have"
-        )
-        raise InvalidArgumentError(msg)
-    check_int("encoder_length", given)
-    check_bucketable(model)
-    return given
-
-
-def vocab_size(model: PreTrainedModel) -> int:
-    """The logits' width: the output embedding's rows (the config's vocabulary for a model without one)."""
-    embeddings = cast("Callable[[], object]", model.get_output_embeddings)()
-    weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return int(weight.shape[0])
-    return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
 def _static(tensor: torch.Tensor) -> torch.Tensor:

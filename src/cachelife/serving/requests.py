@@ -16,6 +16,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
+from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError, RequestTimeoutError, UnsupportedGenerationError
 from cachelife.generation.arguments import int_field, merged_config, unsupported_argument, unsupported_config
@@ -187,3 +188,20 @@ def hand_back(joining: Joining, *, tokens: torch.Tensor | None = None, error: Ba
     joining.tokens, joining.error = tokens, error
     joining.done.set()
     joining.news.set()
+
+
+def first_sequence(model_kwargs: dict[str, Any], rows: int) -> dict[str, Any]:
+    """`generate`'s prepared inputs for one of its `rows` identical sequences (a beam request's, which
+    transformers repeats once per beam): every tensor with `rows` leading entries (and the encoder's output)
+    cut to the first."""
+    if rows == 1:
+        return dict(model_kwargs)
+
+    def first(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return value[:1]
+        if isinstance(value, ModelOutput):  # the encoder's output
+            return type(value)(**{name: first(field) for name, field in value.items()})
+        return value
+
+    return {name: first(value) for name, value in model_kwargs.items()}

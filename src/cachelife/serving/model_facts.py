@@ -1,0 +1,87 @@
+"""What the engine reads off a model before it builds its batch: the step's argument names, the models whose
+caches the rows cannot share (refused by name), the encoder output length every row holds, the vocabulary."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from transformers import PreTrainedModel
+
+from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+from cachelife.generation.method import has_sliding_layers
+from cachelife.integration.buckets import check_bucketable
+from cachelife.integration.call_arguments import cache_argument_name
+from cachelife.serving.rows import StepNames
+from cachelife.validate import check_int
+
+# Decoder-side relative positions: the slot-aligned rows keep every distance, so no position ids are needed.
+_RELATIVE_POSITIONS = frozenset({"t5", "mt5"})
+
+
+def step_names(model: PreTrainedModel) -> StepNames:
+    """The forward's arguments for the engine's step, or `UnsupportedGenerationError` for a model whose
+    decoder reads its positions from the cache's slot (rows that joined at other steps would be misplaced)."""
+    cache = cache_argument_name(model)
+    parameters = set(inspect.signature(model.forward).parameters)
+    if not model.config.is_encoder_decoder:
+        if "position_ids" not in parameters:
+            msg = f"{type(model).__name__}'s forward takes no position_ids, which the engine's rows need"
+            raise UnsupportedGenerationError(msg)
+        return StepNames("input_ids", "attention_mask", "position_ids", cache)
+    if "decoder_position_ids" in parameters:
+        return StepNames("decoder_input_ids", "decoder_attention_mask", "decoder_position_ids", cache)
+    if model.config.model_type in _RELATIVE_POSITIONS:
+        return StepNames("decoder_input_ids", "decoder_attention_mask", None, cache)
+    msg = (
+        f"{type(model).__name__} computes its decoder positions from the cache's slot and takes no "
+        "decoder_position_ids, so the engine's rows (which join at different steps) would be misplaced; "
+        "decode it with cachelife.generate"
+    )
+    raise UnsupportedGenerationError(msg)
+
+
+def refuse_sliding_windows(model: PreTrainedModel, width: int) -> None:
+    """`UnsupportedGenerationError` for a model with sliding-window attention layers at the cache's `width`:
+    their buffers hold a window, not the batch's slots, which the rows share."""
+    if has_sliding_layers(model, width):
+        msg = (
+            f"{type(model).__name__} has sliding-window attention layers, whose buffers hold a window rather "
+            "than the slots the engine's rows share; decode it with cachelife.generate"
+        )
+        raise UnsupportedGenerationError(msg)
+
+
+def encoder_length_of(model: PreTrainedModel, given: int | None) -> int | None:
+    """The encoder output length every row's cross-attention holds: Whisper's fixed one, else `given`."""
+    if not model.config.is_encoder_decoder:
+        if given is not None:
+            msg = f"{type(model).__name__} is decoder-only: pass no encoder_length"
+            raise InvalidArgumentError(msg)
+        return None
+    fixed = getattr(model.config, "max_source_positions", None) if model.config.model_type == "whisper" else None
+    if isinstance(fixed, int):
+        if given is not None and given != fixed:
+            msg = f"Whisper's encoder output has {fixed} positions; encoder_length={given} does not apply"
+            raise InvalidArgumentError(msg)
+        return fixed
+    if given is None:
+        msg = (
+            f"{type(model).__name__} is an encoder-decoder model: pass encoder_length, the longest encoder "
+            "output (source tokens) a request may have"
+        )
+        raise InvalidArgumentError(msg)
+    check_int("encoder_length", given)
+    check_bucketable(model)
+    return given
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """The logits' width: the output embedding's rows (the config's vocabulary for a model without one)."""
+    embeddings = cast("Callable[[], object]", model.get_output_embeddings)()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
