@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
-from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.steps import LoopSettings, stepper
@@ -90,26 +90,25 @@ class Batch:
         self.moves = 0
         self.joins = 0
 
-    def has_room_for(self, joining: Joining) -> Placement | None:
-        """Where `joining` goes if it may join now: free rows, the same program, room in the cache."""
-        if self._free_rows(joining.beams) is None:
+    def has_room_for(self, joining: Joining) -> tuple[int, Placement] | None:
+        """Where `joining` goes if it may join now (its first row, and where in the cache): free rows, the same
+        program, room in the cache."""
+        first = self._free_rows(joining.beams)
+        if first is None:
             return None
         if self.seats and self.program is not None and joining.key != self.program.key:
             return None
         occupants = [Occupant(seat.start, seat.end) for seat in self.seats.values()]
-        return place(
+        placement = place(
             slot=self.slot, width=self.width, steps_per_call=self.settings.steps_per_call, occupants=occupants,
             prompt=joining.prompt, remaining=joining.max_length - joining.prompt - 1,
         )  # fmt: skip
+        return None if placement is None else (first, placement)
 
-    def join(self, joining: Joining, placement: Placement) -> None:
-        """Write the newcomer's prompt into a free row so that it ends before the placement's slot, and pick
-        its first token (or its beams' first step); a failure fails the newcomer alone and leaves the other rows
-        as they were."""
-        first = self._free_rows(joining.beams)
-        if first is None:  # unreachable: `has_room_for` found the rows, and only this thread takes them
-            hand_back(joining, error=UnsupportedGenerationError("the engine had no free rows for the request"))
-            return
+    def join(self, joining: Joining, first: int, placement: Placement) -> None:
+        """Write the newcomer's prompt into its free rows from `first` so that it ends before the placement's
+        slot, and pick its first token (or take its beams' first step); a failure fails the newcomer alone and
+        leaves the other rows as they were."""
         group = self.slots[first : first + joining.beams]
         for slot in group:
             slot.move("admit", Prefilling(joining.request.number))

@@ -32,10 +32,6 @@ class BeamProgram:
     rows: tuple[torch.Tensor, ...]
     fill: int  # the sequences' filler past their end (`_beam_search`'s output_fill_value)
 
-    @property
-    def beams(self) -> int:
-        return self.plan.beams
-
 
 def build_beam_program(
     converted: Sequence[TensorProcessor], key: tuple[object, ...], *, rows: int, beams: int, eos: torch.Tensor | None,

@@ -324,8 +324,8 @@ class Engine:
                 while self._waiting and self._waiting[0].abandoned:
                     self._waiting.popleft()
                 head = self._waiting[0] if self._waiting else None
-                placement = None if head is None else self._batch.has_room_for(head)
-                if head is None or placement is None:
+                room = None if head is None else self._batch.has_room_for(head)
+                if head is None or room is None:
                     return
                 self._waiting.popleft()
-            self._batch.join(head, placement)
+            self._batch.join(head, *room)
