@@ -4,7 +4,8 @@
   and on the newest the slow tests too (compiled models, long loops; a slow test's further model families,
   marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels in Triton's CPU
   interpreter (`TRITON_INTERPRET=1`), in the same run and environment; two pytest-xdist workers
-  (`CACHELIFE_TEST_WORKERS`), each compiling in its own process (`TORCHINDUCTOR_COMPILE_THREADS=1`);
+  (`CACHELIFE_TEST_WORKERS`), each on one thread (`OMP_NUM_THREADS=1`) and compiling in its own process
+  (`TORCHINDUCTOR_COMPILE_THREADS=1`);
 - `typecheck` and `lint`;
 - `docs`: the documentation site, built with warnings as errors.
 
@@ -61,7 +62,9 @@ def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | N
     selection may simply fall outside this session's marks (`nox -- tests/test_stubs.py` in `slow`).
     """
     success = [0, 5] if session.posargs else [0]
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}  # no compile pool per worker: one per core
+    # One thread per worker, no compile pool: each worker keeps to one core (OpenMP threads that outnumber the
+    # cores spin and slow every worker down).
+    env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
     session.run(
         "python", "-m", "pytest", "-n", WORKERS, "--dist", "loadgroup", "-m", marks, *args, *session.posargs,
         env=env, success_codes=success,
