@@ -1,19 +1,18 @@
 """nox sessions. `nox` runs the default set:
 
-- `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers,
-  and on the newest the slow tests too (compiled models, long loops; a slow test's further model families,
-  marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels in Triton's CPU
-  interpreter (`TRITON_INTERPRET=1`), in the same run and environment; two pytest-xdist workers
+- `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers.
+  On the newest, in the same environment: the slow tests too (compiled models, long loops; a slow test's
+  further model families, marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels
+  in Triton's CPU interpreter (`TRITON_INTERPRET=1`), in the same pytest run; then mypy --strict and the
+  documentation site (warnings as errors), which `typecheck` and `docs` run alone. Two pytest-xdist workers
   (`CACHELIFE_TEST_WORKERS`), each on one thread (`OMP_NUM_THREADS=1`) and compiling in its own process
   (`TORCHINDUCTOR_COMPILE_THREADS=1`);
-- `typecheck` and `lint`;
-- `docs`: the documentation site, built with warnings as errors.
+- `lint`: ruff.
 
 `nox -s slow` runs the slow tests alone, every family; `nox -s full` runs the whole CPU suite on both
 transformers releases. Every session runs on the Python that runs nox (3.11 to 3.13). torch is installed
-first, on its own,
-so that no later requirement lets pip pick another build; where pip's own configuration would hand out a
-CUDA build (several GB, PyPI on Linux) on a machine without a GPU, run
+first, on its own, so that no later requirement lets pip pick another build; where pip's own configuration
+would hand out a CUDA build (several GB, PyPI on Linux) on a machine without a GPU, run
 `CACHELIFE_TORCH_INDEX=https://download.pytorch.org/whl/cpu nox`. `gpu` runs on a GPU machine with the
 interpreter and packages already there, and skips (never passes) where CUDA is absent.
 """
@@ -25,7 +24,7 @@ import subprocess
 
 import nox
 
-nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
+nox.options.sessions = ["tests", "lint"]  # the newest release's tests session type-checks and builds the docs too
 nox.options.default_venv_backend = "venv"
 # A second `nox` on the same checkout keeps each session's environment (pip only checks what is installed);
 # `nox --reuse-venv=no` starts afresh. A clean clone, as in CI, creates every environment once.
@@ -76,15 +75,19 @@ def pytest(session: nox.Session, marks: str, *args: str, env: dict[str, str] | N
 def tests(session: nox.Session, transformers: str) -> None:
     """The fast tests against one transformers release; against the newest, the slow tests too."""
     newest = transformers == TRANSFORMERS[-1]
-    install(session, transformers, "dev,serve" if newest else "dev")  # Ray Serve's tests once, on the newest
+    install(session, transformers, "dev,serve,docs" if newest else "dev")  # Ray Serve's tests once, on the newest
     if not newest:
         pytest(session, FAST)  # without Triton: cachelife's kernels take their plain-torch paths
         return
-    # One environment and one pytest run for the slow tests: a separate session would install torch again.
+    # One environment and one pytest run for the slow tests, and mypy and the docs in the same environment:
+    # separate sessions would install torch, transformers and Ray again (`typecheck` and `docs` run them alone).
     # Triton in its interpreter runs cachelife's kernels on the CPU (tests/kernels); CUDA builds of torch bring
     # their own Triton.
     session.install(TRITON)
     pytest(session, CI, env={"TRITON_INTERPRET": "1"})
+    if not session.posargs:
+        mypy(session)
+        sphinx(session)
 
 
 @nox.session(default=False)
@@ -116,10 +119,15 @@ def soak(session: nox.Session) -> None:
     session.run("python", "-m", "bench.soak", "--device", "cpu", "--calls", "200", *session.posargs)
 
 
-@nox.session
+@nox.session(default=False)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on src, tests, bench and noxfile.py, against the stubs in typings/."""
+    """mypy --strict alone (the default run's newest `tests` session runs it too)."""
     install(session, extra="dev,serve")  # ray_serve.py's imports are checked against Ray's own types
+    mypy(session)
+
+
+def mypy(session: nox.Session) -> None:
+    """mypy --strict on src, tests, bench and noxfile.py, against the stubs in typings/."""
     session.run("mypy", "--strict")
 
 
@@ -131,11 +139,16 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", "src", "tests", "bench", "noxfile.py")
 
 
-@nox.session
+@nox.session(default=False)
 def docs(session: nox.Session) -> None:
-    """The documentation site (Sphinx, from docs/), with warnings as errors, into docs/_build/html."""
+    """The documentation site alone (the default run's newest `tests` session builds it too)."""
     install(session, extra="docs")
-    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs)
+    sphinx(session, *session.posargs)
+
+
+def sphinx(session: nox.Session, *args: str) -> None:
+    """The documentation site (Sphinx, from docs/), with warnings as errors, into docs/_build/html."""
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *args)
 
 
 @nox.session(venv_backend="none", default=False)
