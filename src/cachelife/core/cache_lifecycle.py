@@ -245,7 +245,7 @@ class CacheLifecycle:
         for layer in pinned:
             layer.check("reset")
         for layer in pinned:
-            layer.reset_checked()
+            layer.reset(checked=True)
 
     def release(self) -> None:
         """Drop every layer's buffers; the cache is back to lazy allocation (`NoStorage` layers stay so).

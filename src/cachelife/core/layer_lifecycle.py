@@ -301,15 +301,12 @@ class LayerLifecycle:
         self._enter("fill", new)
         return new
 
-    def reset(self) -> Pinned:
-        """Empty the buffers in place, keeping every data pointer, so they can be filled again."""
-        self.check("reset")
-        return self.reset_checked()
-
-    def reset_checked(self) -> Pinned:
-        """`reset` for a caller that has just run `check("reset")` on this layer (a whole cache's all-or-nothing
-        reset checks every layer first), so the layer is not checked twice."""
+    def reset(self, *, checked: bool = False) -> Pinned:
+        """Empty the buffers in place, keeping every data pointer, so they can be filled again. `checked`: the
+        caller has just run `check("reset")` (a whole cache checks every layer before it empties any)."""
         state = self._state
+        if not checked:
+            self.check("reset")
         if not isinstance(state, Pinned | Filled):  # unreachable after the check: see TRANSITIONS
             raise self._illegal("reset")
         buffers.zero(self.layer)
