@@ -127,6 +127,13 @@ def special_tokens(config: GenerationConfig, name: str) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def beam_fill(config: GenerationConfig) -> int:
+    """What beam search writes past a hypothesis' end: `_beam_search`'s output_fill_value, as transformers
+    writes it (the pad token, else the first end token, else -1)."""
+    pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
+    return int(pad or ends[0] if ends is not None else -1)
+
+
 def _resolved(config: GenerationConfig, name: str) -> object:
     """A field `generate` has filled with its default by the time it calls the decoding method."""
     value = getattr(config, name)

@@ -27,7 +27,7 @@ from transformers.generation.utils import (
 from transformers.utils import ModelOutput
 
 from cachelife.core.cache_lifecycle import lifecycle
-from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
+from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.host import HostChecks
@@ -259,8 +259,7 @@ def beam_search(
         prompt_length=prompt_length, max_length=max_length, early_stopping=early_stopping(config),
         length_penalty=float_field(config, "length_penalty"), do_sample=bool(config.do_sample), device=device,
     )  # fmt: skip
-    pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
-    fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
+    fill = beam_fill(config)
     state = leases.lease(("beams", plan.batch, beams, plan.width), BeamState, lambda: BeamState.allocate(plan, device))
     state.start(input_ids, plan, fill)
     cache = step_inputs[cache_argument_name(model)]

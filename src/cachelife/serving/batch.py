@@ -22,7 +22,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.errors import InvalidArgumentError
-from cachelife.generation.arguments import early_stopping, eos_ids, float_field, special_tokens
+from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.integration.runtime import FIRST_CALLS
@@ -222,16 +222,14 @@ class Batch:
     def _collect_groups(self, program: BeamProgram) -> None:
         """Hand back the groups whose search ended (one host read of the running flags), and leave abandoned
         ones."""
-        running = self.beam_states[program.key].running.tolist()
+        state = self.beam_states[program.key]
+        running = state.running.tolist()
         for row, seat in list(self.seats.items()):
-            joining = seat.joining
+            joining, group = seat.joining, row // seat.size
             if joining.abandoned:
                 self.end(row)
-            elif not running[row // seat.size]:
-                tokens = group_output(
-                    self.beam_states[program.key], row // seat.size, prompt_length=joining.prompt,
-                    sequences=joining.sequences,
-                )  # fmt: skip
+            elif not running[group]:
+                tokens = group_output(state, group, prompt_length=joining.prompt, sequences=joining.sequences)
                 self.end(row, tokens=tokens)
 
     def end(self, row: int, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:
@@ -271,11 +269,9 @@ class Batch:
 
     def _beam_program(self, joining: Joining) -> tuple[BeamProgram, Callable[[], int]]:
         config, device = joining.config, self.model.device
-        pad, ends = special_tokens(config, "_pad_token_tensor"), special_tokens(config, "_eos_token_tensor")
-        fill = int(pad or ends[0] if ends is not None else -1)  # `_beam_search`'s output_fill_value, as written
         program = build_beam_program(
             joining.converted, joining.key, rows=len(self.slots), beams=joining.beams, eos=eos_ids(config),
-            fill=fill, width=self.rows.tokens.shape[1], early_stopping=early_stopping(config),
+            fill=beam_fill(config), width=self.rows.tokens.shape[1], early_stopping=early_stopping(config),
             length_penalty=float_field(config, "length_penalty"), do_sample=bool(config.do_sample), device=device,
         )  # fmt: skip
         state = BeamState.allocate(program.plan, device)
