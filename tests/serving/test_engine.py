@@ -222,6 +222,29 @@ def test_streamers_get_what_generate_gives_them(name: str) -> None:
         assert torch.equal(streamed[:, -result.shape[1] :], result)  # Whisper returns less than its prompt
 
 
+def test_a_streamer_slower_than_its_row_gets_its_own_tokens_after_the_row_is_reused(llama: zoo.ZooModel) -> None:
+    # The first request's streamer holds its first new token until the second request, which takes the
+    # same row once the first has ended, is done: what it is given then must still be the first's tokens.
+    second_done = threading.Event()
+
+    def hold(count: int) -> None:
+        if count == 2:  # the prompt came first
+            second_done.wait(timeout=60)
+
+    first = {**llama.inputs(1, 4, 0), "max_new_tokens": 6}
+    second = {**llama.inputs(1, 7, 1), "max_new_tokens": 9}
+    streamer = Recording(hold)
+    with Engine(llama.model, rows=1, max_length=40, compile_step=False) as engine:
+        first_future = engine.submit(**first, streamer=streamer)
+        second_future = engine.submit(**second)
+        second_future.add_done_callback(lambda _: second_done.set())
+        result = first_future.result(timeout=120)
+    assert second_done.is_set()
+    assert torch.equal(result, alone(llama.model, **first))
+    streamed = torch.cat([value.reshape(1, -1) for value in streamer.values], dim=1)
+    assert torch.equal(streamed, result)
+
+
 def test_new_tokens_reach_the_streamer_while_the_row_decodes(llama: zoo.ZooModel) -> None:
     decoding_at_first_new_token: list[int] = []
     engine = Engine(llama.model, rows=1, max_length=256, compile_step=False)

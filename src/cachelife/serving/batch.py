@@ -212,8 +212,8 @@ class Batch:
             if joining.abandoned:
                 self.end(row)
                 continue
-            if joining.streamer is not None and lengths[row] > seat.streamed:
-                joining.streamed.append(self.rows.tokens[row, seat.streamed : lengths[row]].cpu())
+            if joining.streamer is not None and lengths[row] > seat.streamed:  # a copy: the row is reused
+                joining.streamed.append(self.rows.tokens[row, seat.streamed : lengths[row]].to("cpu", copy=True))
                 seat.streamed = lengths[row]
                 joining.news.set()
             if not unfinished[row] or lengths[row] >= joining.max_length:
