@@ -78,6 +78,28 @@ def test_a_streamer_receives_what_generate_gives_it(name: str, every: int, steps
     assert (ours.ends, theirs.ends) == (1, 1)
 
 
+class Keeping(BaseStreamer):
+    """Keeps the tensors it is given as they are (transformers gives a new tensor each time)."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.values.append(value)
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_what_a_streamer_was_given_stays_after_the_next_call(every: int) -> None:
+    built = build("llama", eos=False)
+    kept = Keeping()
+    first = fast(built, built.inputs(1, 9, 1), max_new_tokens=NEW, streamer=kept, stop_check_every=every)
+    fast(built, built.inputs(1, 9, 2), max_new_tokens=NEW, stop_check_every=every)
+    assert torch.equal(torch.cat([value.reshape(1, -1) for value in kept.values], dim=1), first)
+
+
 @pytest.mark.parametrize("every", [1, 8])
 def test_the_first_token_is_streamed_right_after_the_prefill(every: int) -> None:
     """Time to first token: the prefill's token reaches the streamer before any decoding step runs, whatever

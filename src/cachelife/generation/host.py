@@ -78,7 +78,7 @@ class HostChecks:
                     state.tokens[:, position:].masked_fill_(stopped[:, None], choice.pad)
                 self.open &= ~stopped
             if self.streamer is not None:
-                self.streamer.put(token.cpu())
+                self.streamer.put(token.to("cpu", copy=True))  # a copy: the buffer is reused
             if not bool(self.open.any()):
                 state.length.fill_(position)  # later positions were decoded after the end: discarded
                 length = position
