@@ -2,7 +2,7 @@
 
     python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base]
                              [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0]
-                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife] [--full-guards]
+                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife]
                              [--cuda-graphs cachelife,torch] [--trees-steps-per-call 1]
                              [--repeats 3] [--tiny] [--out DIR] [--tag NAME]
 
@@ -16,9 +16,7 @@ tokens (`min_new_tokens = max_new_tokens = N`):
   inductor's `emulate_precision_casts`, as in cachelife.generate's step) and `cachelife.enable`;
 - `cachelife`: `cachelife.generate`, once per `--steps-per-call` value and `--cuda-graphs` value
   (`cachelife_spcN`: cachelife's own CUDA graphs; `cachelife_trees_spcN`: torch's cudagraph trees, only at
-  the `--trees-steps-per-call` values, since each compiles an N-step function; with
-  `--full-guards`, the trees once more with dynamo's guards checked in full on every step call, as before
-  cachelife skipped them on repeats).
+  the `--trees-steps-per-call` values, since each compiles an N-step function).
 Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
 `--repeats`), first-call seconds (compilation included), GPU kernel ms per step (torch.profiler, CUDA only,
 measured the same marginal way), whether the tokens equal the reference (float32: eager `generate`; other
@@ -35,7 +33,6 @@ import functools
 import itertools
 import json
 import sys
-import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +42,6 @@ import cachelife
 from bench.decode import auto_compile
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, kernels_per_step, timed
-from cachelife.generation import steps as loop_steps
 from cachelife.generation.steps import CudaGraphs
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
@@ -127,8 +123,6 @@ def paths(
 
             label = f"cachelife_spc{steps}" if graphs == "cachelife" else f"cachelife_trees_spc{steps}"
             runs[label] = (run, "cachelife")
-            if args.full_guards and graphs == "torch":
-                runs[f"{label}_full_guards"] = (functools.partial(with_full_guards, run), "cachelife")
     return runs
 
 
@@ -151,17 +145,6 @@ def _captures(model_kind: str) -> int:
     """Graphs cachelife captured so far for the model of that kind in this measurement (0 if none)."""
     model = _MODELS.get(model_kind)
     return 0 if model is None else cachelife.runtime_of(model).captures
-
-
-def with_full_guards(run: Run, tokens: int) -> torch.Tensor:
-    """`run(tokens)` with dynamo checking every guard on every step call (`call_step` always told to), as
-    before cachelife skipped them on repeat calls: the host time that skipping saves."""
-
-    def call_step(step: Callable[..., Any], check_guards: bool, /, *args: Any, **kwargs: Any) -> Any:
-        return step(*args, **kwargs)
-
-    with unittest.mock.patch.object(loop_steps, "call_step", call_step):
-        return run(tokens)
 
 
 def measure(name: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -212,9 +195,6 @@ def main() -> int:
         "--cuda-graphs", default="cachelife,torch", help="cachelife.generate's cuda_graphs values (CUDA only)"
     )
     parser.add_argument("--trees-steps-per-call", default="1", help="steps_per_call values of the trees paths")
-    parser.add_argument(
-        "--full-guards", action="store_true", help="also time each cachelife path with every guard checked every call"
-    )
     parser.add_argument("--input-length", type=int, default=64, help="prompt length of the text models")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the zoo's tiny models with the same configs")

@@ -1,42 +1,50 @@
-"""dynamo's guard-skipping stance is the whole process's: compiled steps in other threads wait for it."""
+"""Compiled code in other threads keeps its guards while cachelife decodes: dynamo's stances are the whole
+process's, so cachelife's compiled steps set none."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+import pytest
 import torch
 
-from cachelife.integration.compiled import call_step
+import cachelife
+from cachelife.generation import steps as loop_steps
+from cachelife.tools import zoo
 
 
-def test_a_compiled_call_in_another_thread_waits_while_a_step_skips_guards() -> None:
-    doubled = torch.compile(lambda x: x * 2 + 1, fullgraph=True)
-    doubled(torch.ones(2))
+def test_a_compiled_function_in_another_thread_is_guarded_while_a_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    scaled = torch.compile(lambda x, n: x * n, fullgraph=True)
+    scaled(torch.ones(3), 1)  # compiled for n == 1; n == 2 must fail that graph's guard
     entered, release = threading.Event(), threading.Event()
 
-    def held_open() -> None:  # a step call that skips guards, still running
-        entered.set()
-        release.wait(30)
+    def held_open(function: Any) -> Any:  # the step's third call waits, inside whatever the loop set up
+        calls = iter(range(1_000_000))
 
-    holder = threading.Thread(target=call_step, args=(held_open, False))
-    holder.start()
-    entered.wait(30)
-    result: dict[str, Any] = {}
+        def step(**kwargs: Any) -> Any:
+            if next(calls) == 2:
+                entered.set()
+                release.wait(60)
+            return function(**kwargs)
 
-    def other() -> None:  # new inputs: its guards must be evaluated
-        try:
-            result["value"] = call_step(doubled, True, torch.ones(3, 3))
-        except Exception as error:
-            result["error"] = error
+        return step
 
-    caller = threading.Thread(target=other)
-    caller.start()
-    caller.join(2.0)
-    waited = caller.is_alive()
-    release.set()
-    holder.join(30)
-    caller.join(60)
-    assert "error" not in result, result.get("error")
-    assert waited
-    assert torch.equal(result["value"], torch.full((3, 3), 3.0))
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: held_open(function))
+    built = zoo.build("llama")
+    inputs = built.inputs(1, 5, 0)
+    decoded: dict[str, Any] = {}
+
+    def decode() -> None:
+        decoded["tokens"] = cachelife.generate(built.model, fallback=False, max_new_tokens=6, **inputs)
+
+    decoding = threading.Thread(target=decode)
+    decoding.start()
+    try:
+        assert entered.wait(60)
+        meanwhile = scaled(torch.ones(3), 2)
+    finally:
+        release.set()
+        decoding.join(60)
+    assert torch.equal(meanwhile, torch.full((3,), 2.0))
+    assert torch.equal(decoded["tokens"], zoo.generate_tokens(built.model, inputs, max_new_tokens=6))

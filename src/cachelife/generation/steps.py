@@ -26,7 +26,7 @@ from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
-from cachelife.integration.compiled import InductorOptions, call_step, mode_with
+from cachelife.integration.compiled import InductorOptions, mode_with
 from cachelife.integration.enabling import pool_of
 from cachelife.integration.runtime import FIRST_CALLS, runtime_of
 
@@ -173,11 +173,11 @@ def stepper(
     calls = itertools.count()
 
     def advance() -> int:
-        if next(calls) == 0:  # every call passes the first call's objects; the first may compile
+        if next(calls) == 0:  # the first call may compile
             with FIRST_CALLS:
-                call_step(step, True, **arguments(0, spc, read_only))
+                step(**arguments(0, spc, read_only))
         else:
-            call_step(step, False, **arguments(0, spc, read_only))
+            step(**arguments(0, spc, read_only))
         return spc
 
     return advance

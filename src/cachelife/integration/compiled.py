@@ -7,10 +7,9 @@ enabled model's hooks and `generate` find it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -22,8 +21,6 @@ _ORIGINAL = "_torchdynamo_orig_callable"
 
 # What torch.compile's `options=` takes.
 InductorOptions = dict[str, str | int | bool | Callable[..., Any]]
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 def is_compiled(function: object) -> bool:
@@ -109,26 +106,3 @@ def checked_options(options: Mapping[str, object] | None) -> InductorOptions:
 def restore_forward(model: PreTrainedModel) -> None:
     """Undo `compile_forward`: the model's forward is its class's again."""
     model.__dict__.pop("forward", None)
-
-
-def call_step(step: Callable[P, R], check_guards: bool, /, *args: P.args, **kwargs: P.kwargs) -> R:
-    """`step(*args, **kwargs)`; with `check_guards=False`, dynamo checks only the guards that tell the
-    compiled graphs of `step` apart (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), not all.
-
-    `check_guards=False` is only for a call that repeats an earlier one whose guards passed, with the same
-    objects or tensors of the same shapes, strides, dtypes and devices: the decoding loops call their compiled
-    step so, step after step, and the full check (every parameter and cache tensor of the model is guarded)
-    costs host time per call that grows with the model's layers and that a short graph replay cannot always
-    hide.
-
-    dynamo's stance is one for the whole process: a call in another thread while it skips guards could run a
-    graph compiled for other inputs. Every call of a compiled step therefore holds `_STANCE`."""
-    with _STANCE:
-        if check_guards:
-            return step(*args, **kwargs)
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return step(*args, **kwargs)
-
-
-# Held by every call of a compiled step (see `call_step`); reentrant for a step that calls `generate` inside.
-_STANCE = threading.RLock()
