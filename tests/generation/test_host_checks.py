@@ -100,6 +100,32 @@ def test_what_a_streamer_was_given_stays_after_the_next_call(every: int) -> None
     assert torch.equal(torch.cat([value.reshape(1, -1) for value in kept.values], dim=1), first)
 
 
+class KeepingCriterion(StoppingCriteria):
+    """Keeps the tensors it is given as they are and never stops (transformers gives a new tensor each step)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None, **kwargs: Any
+    ) -> torch.BoolTensor:
+        self.seen.append(input_ids)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_what_a_stopping_criterion_was_given_stays_after_the_next_call(every: int) -> None:
+    built = build("llama", eos=False)
+    kept = KeepingCriterion()
+    criteria = StoppingCriteriaList([kept])
+    first = fast(built, built.inputs(1, 9, 1), max_new_tokens=NEW, stopping_criteria=criteria, stop_check_every=every)
+    given = [tensor.clone() for tensor in kept.seen]
+    fast(built, built.inputs(1, 9, 2), max_new_tokens=NEW, stop_check_every=every)
+    assert len(given) == NEW  # once per new token, as `_sample` calls its criteria
+    assert torch.equal(given[-1], first)
+    assert all(torch.equal(now, then) for now, then in zip(kept.seen, given, strict=True))
+
+
 @pytest.mark.parametrize("every", [1, 8])
 def test_the_first_token_is_streamed_right_after_the_prefill(every: int) -> None:
     """Time to first token: the prefill's token reaches the streamer before any decoding step runs, whatever

@@ -72,7 +72,7 @@ class HostChecks:
             if choice.eos is not None:  # as the compiled step closes rows, position by position
                 self.open &= ~torch.isin(token, choice.eos)
             if self.criteria:
-                stopped = self._stopped(state.tokens[:, :position]) & self.open
+                stopped = self._stopped(state.tokens[:, :position].clone()) & self.open  # the buffer is reused
                 if bool(stopped.any()) and choice.eos is not None:
                     # `_sample` pads a row from the step after the one that stopped it.
                     state.tokens[:, position:].masked_fill_(stopped[:, None], choice.pad)
