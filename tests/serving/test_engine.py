@@ -222,6 +222,21 @@ def test_streamers_get_what_generate_gives_them(name: str) -> None:
         assert torch.equal(streamed[:, -result.shape[1] :], result)  # Whisper returns less than its prompt
 
 
+def test_a_caller_may_reuse_its_input_tensors_once_submit_returns(llama: zoo.ZooModel) -> None:
+    # One row and one request thread: the second request is prepared only after the first has ended, long
+    # after its caller wrote the next prompt into the tensors it had submitted.
+    first = {**llama.inputs(1, 6, 0), "max_new_tokens": 8}
+    second = llama.inputs(1, 6, 1)
+    expected = alone(llama.model, **{name: value.clone() for name, value in second.items()}, max_new_tokens=8)
+    with Engine(llama.model, rows=1, max_length=40, prepare_ahead=0, compile_step=False) as engine:
+        engine.submit(**first)
+        reused = engine.submit(**second, max_new_tokens=8)
+        for name, value in llama.inputs(1, 6, 2).items():
+            second[name].copy_(value)
+        result = reused.result(timeout=120)
+    assert torch.equal(result, expected)
+
+
 def test_a_streamer_slower_than_its_row_gets_its_own_tokens_after_the_row_is_reused(llama: zoo.ZooModel) -> None:
     # The first request's streamer holds its first new token until the second request, which takes the
     # same row once the first has ended, is done: what it is given then must still be the first's tokens.

@@ -45,6 +45,7 @@ from cachelife.serving.requests import (
     check_request,
     check_timeout,
     hand_back,
+    own_copy,
     prepared_processors,
     wait_for,
 )
@@ -131,10 +132,12 @@ class Engine:
 
         Raises at once for what is wrong before any work (`InvalidArgumentError`, `UnsupportedGenerationError`),
         `QueueFullError` when the engine holds `rows + queue_size` requests, `EngineClosedError` once closed;
-        what `generate`'s preparation finds wrong is set on the future."""
+        what `generate`'s preparation finds wrong is set on the future. The request's tensors and generation
+        config are copied: the caller may reuse its own at once."""
         check_generator(generator, self._model)
         check_timeout(timeout)
         check_request(self._model, kwargs)
+        kwargs = own_copy(kwargs)
         timeout = self._timeout if timeout is None else timeout
         future: Future[Any] = Future()
         with self._lock:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -94,6 +95,24 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
         raise UnsupportedGenerationError(msg)
+
+
+def own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The request's arguments with copies of its tensors (also inside lists, tuples and an encoder output) and
+    of its generation config: the request is decoded later, and the caller may reuse its own meanwhile."""
+
+    def copied(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, ModelOutput):
+            return type(value)(**{name: copied(field) for name, field in value.items()})
+        if type(value) in (list, tuple):
+            return type(value)(copied(item) for item in value)
+        if isinstance(value, GenerationConfig):
+            return copy.deepcopy(value)
+        return value
+
+    return {name: copied(value) for name, value in kwargs.items()}
 
 
 def check_timeout(timeout: object) -> None:
