@@ -214,3 +214,29 @@ def test_a_model_without_pool_is_warned_once(caplog: pytest.LogCaptureFixture) -
     assert (
         cachelife.runtime_of(built.model).captures == captured
     )  # the pool's buffers: the same addresses, the same graph
+
+
+@pytest.mark.usefixtures("recorded")
+def test_a_graph_with_live_settings_reads_the_settings_its_caller_changes_between_replays() -> None:
+    # Two engines' steps over the same state (an engine closed, the next given its addresses): the second
+    # changes its settings in place between replays (a newcomer's per-row fields), so it must not replay the
+    # first's graph, which reads the first's settings.
+    model = zoo.build("llama").model
+    state = torch.zeros(2)
+
+    def steps_over(settings: dict[str, torch.Tensor]) -> graphs.GraphedSteps:
+        def call(index: int, captured: object) -> None:
+            state.add_(captured["add"])  # type: ignore[index]  # the settings dict below
+
+        return graphs.GraphedSteps(
+            model, "engine", call, 1, in_place=state, settings=settings, device=torch.device("cpu"), live_settings=True
+        )
+
+    steps_over({"add": torch.ones(2)}).advance()
+    second = {"add": torch.full((2,), 2.0)}
+    later = steps_over(second)
+    later.advance()
+    second["add"].fill_(5.0)
+    later.advance()
+    assert torch.equal(state, torch.full((2,), 1.0 + 2.0 + 5.0))
+    assert len(RECORDED) == 2

@@ -158,7 +158,9 @@ class GraphedSteps:
     the captured ones); `in_place` is what the step updates or reads as it is (it must keep its addresses),
     `settings` what it reads and may differ in value from call to call. `rewind`, if given, undoes the
     warm-up's effect before the capture (a prefill's cache, whose host-side flags decide what the model
-    computes and so what is captured); the first call then replays the new graph."""
+    computes and so what is captured); the first call then replays the new graph. `live_settings` says that
+    the caller changes the settings' tensors in place between calls (an engine's per-row fields): a found
+    graph would read the captured tensors, so with it the settings are keyed by address, as `in_place` is."""
 
     model: object
     name: str
@@ -168,6 +170,7 @@ class GraphedSteps:
     settings: object
     device: torch.device
     rewind: Callable[[], None] | None = None
+    live_settings: bool = False
     _replay: Callable[[], None] | None = None
 
     def advance(self) -> int:
@@ -178,7 +181,8 @@ class GraphedSteps:
             return self.calls
         runtime = runtime_of(self.model)
         settings = Leaves.of(self.settings)
-        key = (self.name, self.calls, Leaves.of(self.in_place).addresses(), settings.structure, settings.layout())
+        where = settings.addresses() if self.live_settings else settings.layout()
+        key = (self.name, self.calls, Leaves.of(self.in_place).addresses(), settings.structure, where)
         found = runtime.graphs.get(key)
         if isinstance(found, Captured):
             for captured, value in zip(found.tensors, settings.tensors, strict=True):

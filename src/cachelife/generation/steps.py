@@ -145,12 +145,13 @@ def stepper(
     settings: LoopSettings,
     rewind: Callable[[], None] | None = None,
     fixed_buffers: bool = False,
+    live_settings: bool = False,
 ) -> Callable[[], int]:
     """A function that runs the next decoding steps and returns how many it ran: replays of a graph that
     cachelife captured (CUDA, `cuda_graphs="cachelife"`), or calls of the step compiled with `steps_per_call`
-    steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly. `rewind` is
-    `GraphedSteps`'; `fixed_buffers` says that the caller keeps its caches for the steps' whole life (an
-    engine's), so no pool is needed to keep their addresses."""
+    steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly. `rewind` and
+    `live_settings` are `GraphedSteps`'; `fixed_buffers` says that the caller keeps its caches for the steps'
+    whole life (an engine's), so no pool is needed to keep their addresses."""
     spc, device = settings.steps_per_call, model.device
     if uses_own_graphs(settings, device):
         if not fixed_buffers and pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
@@ -165,7 +166,7 @@ def stepper(
         graph_name = f"{name} with {dict(sorted(options.items()))}" if options else name
         graphed = GraphedSteps(
             model, graph_name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
-            read_only, device, rewind,
+            read_only, device, rewind, live_settings,
         )  # fmt: skip
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"

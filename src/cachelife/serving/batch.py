@@ -289,7 +289,7 @@ class Batch:
         advance = stepper(
             self.model, "engine beams", engine_beam_steps, arguments,
             in_place=(self.model, self.rows, state, self.noise, self.step_inputs, self_attention), read_only=program,
-            settings=self.settings, fixed_buffers=True,
+            settings=self.settings, fixed_buffers=True, live_settings=True,
         )  # fmt: skip
         return program, advance
 
@@ -303,7 +303,7 @@ class Batch:
         return stepper(
             self.model, "engine", engine_steps, arguments,
             in_place=(self.model, self.rows, self.noise, self.step_inputs), read_only=program,
-            settings=self.settings, fixed_buffers=True,
+            settings=self.settings, fixed_buffers=True, live_settings=True,  # joins write the program's rows
         )  # fmt: skip
 
     def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:
