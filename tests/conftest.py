@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -51,3 +51,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def as_if_traced(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A call that makes this thread's eager code look traced by dynamo, until `monkeypatch.undo()`: torch's
+    compiling flag and a tracing context of this thread (what `cachelife.core.tracing.tracing_here` asks)."""
+
+    def patch() -> None:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(torch._guards.TracingContext, "try_get", staticmethod(object))
+
+    return patch

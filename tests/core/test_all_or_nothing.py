@@ -4,6 +4,7 @@ layer's state, contents and addresses are exactly as before."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -121,10 +122,12 @@ def test_release_and_reset_with_a_layer_gone_change_no_layer(gone: int) -> None:
             assert torch.equal(now_values, values_copy)
 
 
-def test_reset_and_release_inside_a_compiled_region_change_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reset_and_release_inside_a_compiled_region_change_no_layer(
+    monkeypatch: pytest.MonkeyPatch, as_if_traced: Callable[[], None]
+) -> None:
     _, state = filled_cache()
     before = snapshot(state)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    as_if_traced()
     for operation in (state.reset, state.release):
         with pytest.raises(CompiledRegionError, match=r"layer 0 \(self-attention\) while dynamo traces"):
             operation()

@@ -5,6 +5,7 @@ README.md's "Errors" table lists these rows; each test below is one row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -129,9 +130,9 @@ def test_max_cache_len_smaller_than_the_prompt() -> None:
     assert states(cache) == before
 
 
-def test_pinning_inside_a_compiled_region(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinning_inside_a_compiled_region(as_if_traced: Callable[[], None]) -> None:
     model = zoo.build("llama").model
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    as_if_traced()
     with pytest.raises(CompiledRegionError, match=r"cannot pin layer 0 \(self-attention\) while dynamo traces"):
         cachelife.prepare_static_cache(model, batch_size=1, max_cache_len=4)
 

@@ -174,9 +174,9 @@ def test_reset_keeps_addresses_and_empties_content() -> None:
     assert int(layer.cumulative_length) == 0
 
 
-def test_pin_refuses_while_dynamo_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pin_refuses_while_dynamo_traces(monkeypatch: pytest.MonkeyPatch, as_if_traced: Callable[[], None]) -> None:
     tracked, layer = fresh()
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    as_if_traced()
     with pytest.raises(CompiledRegionError, match="while dynamo traces"):
         tracked.pin(SPEC)
     monkeypatch.undo()

@@ -15,6 +15,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from typing_extensions import TypeIs
 
 from cachelife.core import reorder
+from cachelife.core.tracing import tracing_here
 from cachelife.errors import CacheShapeError, CompiledRegionError, ReplacedBuffersError, UnsupportedCacheError
 
 # transformers >= 5.24 fills the layers that store nothing (KV-sharing consumers, "moe"/"mlp" layer types) with
@@ -75,7 +76,7 @@ def is_sliding_layer(layer: StaticLayer) -> TypeIs[StaticSlidingWindowLayer]:
 
 def compiled_region() -> str | None:
     """Name the compiled or captured region the caller is in, or None in plain eager code."""
-    if torch.compiler.is_compiling():
+    if tracing_here():
         return "while dynamo traces a compiled function"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return "while a CUDA graph is being captured"

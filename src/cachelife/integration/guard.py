@@ -39,6 +39,7 @@ from cachelife.core.fit import check_encoder_fits
 from cachelife.core.layer_lifecycle import FillRecord, Pinned
 from cachelife.core.pinning import pin_for_model
 from cachelife.core.pool import CachePool
+from cachelife.core.tracing import tracing_here
 from cachelife.errors import EnabledModelPickleError
 from cachelife.integration import call_arguments
 from cachelife.integration.buckets import Buckets, pad_generation_kwargs
@@ -222,7 +223,7 @@ class DecodingGuard:
 
     # 2. the decoding boundary
     def before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling():
+        if tracing_here():
             return
         cache = call_arguments.find_cache(kwargs)
         if not is_managed_cache(cache):
@@ -270,7 +271,7 @@ class DecodingGuard:
     def after_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
-        if torch.compiler.is_compiling():
+        if tracing_here():
             return
         compiled = is_compiled(getattr(module, "forward", None))
         self.record_content(kwargs, compiled=compiled)

@@ -40,6 +40,8 @@ import torch
 from attrs import define, field, frozen
 from torch import nn
 
+from cachelife.core.tracing import tracing_here
+
 logger = logging.getLogger(__name__)
 
 GROUPS: Final[tuple[tuple[str, ...], ...]] = (
@@ -166,7 +168,7 @@ class ProjectionGroup:
             member.weight is not weight or member.bias is not bias
             for member, (weight, bias) in zip(self.members, self._parameters, strict=True)
         )
-        if torch.compiler.is_compiling():
+        if tracing_here():
             return None if replaced else self._buffer(self.weight_name)
         if not replaced and self._shares_storage():
             return self._buffer(self.weight_name)

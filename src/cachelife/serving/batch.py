@@ -25,7 +25,6 @@ from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.steps import LoopSettings, stepper
-from cachelife.integration.runtime import FIRST_CALLS
 from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
 from cachelife.serving.model_facts import encoder_length_of, refuse_sliding_windows, step_names, vocab_size
 from cachelife.serving.prefill import Prefill
@@ -114,10 +113,7 @@ class Batch:
             slot.move("admit", Prefilling(joining.request.number))
         try:
             program = self.program if self.seats and self.program is not None else self._program_for(joining)
-            # Not while another thread compiles: dynamo's "compiling" flag is the whole process's, and the
-            # scratch cache's reset refuses to run inside a compiled region.
-            with FIRST_CALLS:
-                logits, encoder = self._prefill(joining)
+            logits, encoder = self._prefill(joining)
         except Exception as error:
             for slot in group:
                 slot.move("fail", Free())
