@@ -478,3 +478,16 @@ def test_compiled_step_captures_the_op_in_cuda_graphs(name: str) -> None:
 
 if __name__ == "__main__":
     compile_kernels()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: skipped, not passed")
+def test_kernel_on_a_gpu_other_than_the_current_one() -> None:
+    """Triton launches on the current device: tensors on cuda:1 while cuda:0 is current still get their own."""
+    case = GPU_CASES[0]
+    query, key, value, mask = case.inputs("cuda:1")
+    expected = softmax_reference(query, key, value, mask)
+    with torch.cuda.device(0):
+        output = decode_attention(query, key, value, mask, splits=case.splits)
+    tolerance = TOLERANCE[case.dtype]
+    torch.testing.assert_close(output.double(), expected, atol=tolerance, rtol=tolerance)

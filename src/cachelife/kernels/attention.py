@@ -16,6 +16,7 @@ graphs. `cachelife.kernels.attention_implementation` makes it a transformers att
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -272,6 +273,10 @@ def _programs(device: torch.device) -> int:
     return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _launching_on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _triton_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scale: float, splits: int
 ) -> torch.Tensor:
@@ -298,18 +303,20 @@ def _triton_decode_attention(
     part_sum = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
     out_strides = (out.stride(0), out.stride(1), out.stride(3))
     split, combine = _jitted()
-    split[(batch * kv_heads, plan.splits)](
-        query, key, value, mask_arg, out, part_acc, part_max, part_sum,
-        scale, heads, positions, plan.split_size, plan.splits,
-        query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), *mask_strides, *out_strides,
-        GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
-        BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final, **_LAUNCH,
-    )  # fmt: skip
-    if not final:
-        combine[(batch * heads,)](
-            part_acc, part_max, part_sum, out, heads, plan.splits, *out_strides,
-            VALUE_DIM=value_dim, BLOCK_S=_power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **_LAUNCH,
+    with _launching_on(query.device):  # Triton launches on the current device, not the tensors'
+        split[(batch * kv_heads, plan.splits)](
+            query, key, value, mask_arg, out, part_acc, part_max, part_sum,
+            scale, heads, positions, plan.split_size, plan.splits,
+            query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), *mask_strides,
+            *out_strides,
+            GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
+            BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final, **_LAUNCH,
         )  # fmt: skip
+        if not final:
+            combine[(batch * heads,)](
+                part_acc, part_max, part_sum, out, heads, plan.splits, *out_strides,
+                VALUE_DIM=value_dim, BLOCK_S=_power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **_LAUNCH,
+            )  # fmt: skip
     return out
 
 
