@@ -75,17 +75,21 @@ def test_concurrent_requests_each_equal_their_own_generate(name: str, options: d
 
 def test_the_compiled_step_with_joins_at_every_step_and_moves(llama: zoo.ZooModel) -> None:
     # Two rows and a short cache: newcomers join at every step position of the other row, and the rows'
-    # content is moved to make room for longer prompts.
+    # content is moved to make room for longer prompts. Whether a round moves anything depends on the order in
+    # which the requests' threads hand them over (a first round waits for the step's compilation): the rounds
+    # go on until one has.
     requests = list(requests_of(llama, 9))
+    expected = [cachelife.generate(llama.model, fallback=False, **request) for request in requests]
     with Engine(llama.model, rows=2, max_length=24) as engine:
-        futures = [engine.submit(**request) for request in requests]
-        results = [future.result(timeout=300) for future in futures]
-        stats = engine.stats()
-    assert stats.moves > 0
-    for request, result in zip(requests, results, strict=True):
-        expected = cachelife.generate(llama.model, fallback=False, **request)
-        assert isinstance(expected, torch.Tensor)
-        assert torch.equal(result, expected)
+        for _ in range(4):
+            futures = [engine.submit(**request) for request in requests]
+            results = [future.result(timeout=300) for future in futures]
+            for want, got in zip(expected, results, strict=True):
+                assert isinstance(want, torch.Tensor)
+                assert torch.equal(got, want)
+            if engine.stats().moves > 0:
+                break
+        assert engine.stats().moves > 0
 
 
 class _Replayed:
