@@ -88,8 +88,8 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
 
 
 # The single-GPU test files (tests/core/test_multidevice.py runs in the multidevice stage), in groups that run
-# as separate pytest processes: a process lost in one group (GPU runs 26 and 29 lost a worker to the decode
-# attention kernel, and pytest-xdist then stopped the whole run) leaves the others' outcomes.
+# as separate pytest processes: a process lost in one group (GPU runs 26 and 29 lost a worker, and pytest-xdist
+# then stopped the whole run: a test's warning filter pytest could not parse) leaves the others' outcomes.
 GPU_TESTS = (
     ("main", ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/serving")),
     ("kernels", ("tests/kernels",)),

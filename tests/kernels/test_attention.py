@@ -455,7 +455,7 @@ def test_bf16_greedy_agrees_with_sdpa_over_128_tokens(
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
-@pytest.mark.filterwarnings("ignore:Warning\\: Profiler clears events:UserWarning")  # torch's profiler's note
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events:UserWarning")  # torch's profiler's note
 @pytest.mark.parametrize("name", ["llama-small", "whisper-small"])
 def test_compiled_step_captures_the_op_in_cuda_graphs(name: str) -> None:
     """`cachelife.generate` (a fullgraph-compiled step in cachelife's CUDA graphs), fp32, with the op in every
@@ -476,10 +476,6 @@ def test_compiled_step_captures_the_op_in_cuda_graphs(name: str) -> None:
     assert cachelife.runtime_of(model).captures == 1
 
 
-if __name__ == "__main__":
-    compile_kernels()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: skipped, not passed")
 def test_kernel_on_a_gpu_other_than_the_current_one() -> None:
@@ -491,3 +487,7 @@ def test_kernel_on_a_gpu_other_than_the_current_one() -> None:
         output = decode_attention(query, key, value, mask, splits=case.splits)
     tolerance = TOLERANCE[case.dtype]
     torch.testing.assert_close(output.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+if __name__ == "__main__":
+    compile_kernels()
