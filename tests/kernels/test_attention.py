@@ -162,6 +162,17 @@ def test_torch_fallback_equals_a_plain_softmax(case: Case) -> None:
     check_close(reference_decode_attention(query, key, value, mask), case)
 
 
+@pytest.mark.parametrize("interpreting", ["0", "1"])
+def test_which_devices_take_the_triton_kernels(interpreting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter serves CPU tensors only: under TRITON_INTERPRET=1 it would copy CUDA tensors to the
+    host and back (a host sync, which a CUDA-graph capture refuses), so they take the torch fallback then."""
+    pytest.importorskip("triton", reason="needs Triton: skipped, not passed")
+    monkeypatch.setenv("TRITON_INTERPRET", interpreting)
+    assert triton_runs_on(torch.device("cuda")) == (interpreting == "0")
+    assert triton_runs_on(torch.device("cpu")) == (interpreting == "1")
+    assert not triton_runs_on(torch.device("meta"))
+
+
 def test_the_split_plan() -> None:
     # Whisper-large-v3's cross-attention at batch 1 on 132 SMs: 20 heads over 1500 positions, head_dim 64.
     whisper = plan_splits(batch=1, kv_heads=20, group=1, positions=1500, key_dim=64, value_dim=64, programs=264)

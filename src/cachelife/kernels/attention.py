@@ -258,10 +258,15 @@ def reference_decode_attention(
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether the op takes the Triton kernels on tensors of `device`: Triton installed, and the device CUDA,
-    or the CPU with `TRITON_INTERPRET=1` (Triton's interpreter)."""
+    """Whether the op takes the Triton kernels on tensors of `device`: Triton installed, and the device CUDA
+    without `TRITON_INTERPRET=1`, or the CPU with it (Triton's interpreter, which would copy CUDA tensors to the
+    host and back: the torch fallback serves them then)."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and interpreting))
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return not interpreting
+    return device.type == "cpu" and interpreting
 
 
 @functools.cache
