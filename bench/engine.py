@@ -201,7 +201,9 @@ def engine_runs(
                      "equal_to_sequential": all(same), "requests_equal": sum(same),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
-                     "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4)})  # fmt: skip
+                     "scheduler_prefill_s": round(after.prefill_seconds - before.prefill_seconds, 4),
+                     "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4),
+                     "scheduler_collect_s": round(after.collect_seconds - before.collect_seconds, 4)})  # fmt: skip
 
 
 def generate_batch_run(model: PreTrainedModel, requests: list[Request], longest: int, device: torch.device) -> Request:

@@ -11,6 +11,7 @@ table; the device buffers are `rows`' (and a beam program's state, `beam_groups`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,7 @@ class Batch:
         self.steps = 0
         self.moves = 0
         self.joins = 0
+        self.prefill_seconds = 0.0  # the scheduler's wall seconds in newcomers' prefills
 
     def has_room_for(self, joining: Joining) -> tuple[int, Placement] | None:
         """Where `joining` goes if it may join now (its first row, and where in the cache): free rows, the same
@@ -113,7 +115,9 @@ class Batch:
             slot.move("admit", Prefilling(joining.request.number))
         try:
             program = self.program if self.seats and self.program is not None else self._program_for(joining)
+            started = time.perf_counter()
             logits, encoder = self._prefill(joining)
+            self.prefill_seconds += time.perf_counter() - started
         except Exception as error:
             for slot in group:
                 slot.move("fail", Free())

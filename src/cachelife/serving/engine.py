@@ -62,7 +62,9 @@ class EngineStats:
     """A snapshot: requests decoding (a beam request holds a group of rows), prepared requests waiting for
     rows, requests held (submitted, not done), steps run, the cache's write slot, how often the rows' content
     was moved to make room, requests that joined, and the scheduler's wall seconds spent so far admitting
-    newcomers (prefill, placement, first token) and running steps (calls of the step, hand-backs)."""
+    newcomers (prefill, placement, first token) and running steps (calls of the step, hand-backs). Of those,
+    `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to reading the rows' lengths and
+    end flags after each call of the step (which waits for the device to finish it) and handing tokens over."""
 
     decoding: int
     waiting: int
@@ -73,6 +75,8 @@ class EngineStats:
     joins: int
     join_seconds: float
     step_seconds: float
+    prefill_seconds: float
+    collect_seconds: float
 
 
 class Engine:
@@ -114,7 +118,7 @@ class Engine:
         self._numbers = itertools.count()
         self._capacity = rows + queue_size
         self._held = 0
-        self._join_seconds = self._step_seconds = 0.0
+        self._join_seconds = self._step_seconds = self._collect_seconds = 0.0
         self._waiting: deque[Joining] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -179,7 +183,7 @@ class Engine:
         with self._lock:
             return EngineStats(
                 len(batch.seats), len(self._waiting), self._held, batch.steps, batch.slot, batch.moves, batch.joins,
-                self._join_seconds, self._step_seconds,
+                self._join_seconds, self._step_seconds, batch.prefill_seconds, self._collect_seconds,
             )  # fmt: skip
 
     def close(self, *, wait: bool = True) -> None:
@@ -312,9 +316,12 @@ class Engine:
             self._admit()
             admitted = time.perf_counter()
             batch.advance()
+            advanced = time.perf_counter()
             batch.collect()
+            collected = time.perf_counter()
             self._join_seconds += admitted - started
-            self._step_seconds += time.perf_counter() - admitted
+            self._step_seconds += collected - admitted
+            self._collect_seconds += collected - advanced
         except Exception as error:  # a step's failure is every decoding row's
             logger.exception("cachelife.Engine: a step failed; its %d rows fail with it", len(batch.seats))
             batch.fail_all(error)
