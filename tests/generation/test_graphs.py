@@ -50,7 +50,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Graphs captured on the CPU by the stand-in; the step runs eagerly unless a test compiles it."""
     monkeypatch.setattr(graphs, "capture", record)
     monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: function)
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
     RECORDED.clear()
     yield
     RECORDED.clear()

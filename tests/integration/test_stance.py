@@ -30,7 +30,9 @@ def test_a_compiled_function_in_another_thread_is_guarded_while_a_step_runs(monk
 
         return step
 
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: held_open(function))
+    monkeypatch.setattr(
+        loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: held_open(function)
+    )
     built = zoo.build("llama")
     inputs = built.inputs(1, 5, 0)
     decoded: dict[str, Any] = {}

@@ -110,7 +110,7 @@ def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(graphs, "capture", capture)
     monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: function)
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
 
 
 @pytest.mark.usefixtures("stand_in_graphs")
@@ -158,7 +158,7 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
 
     monkeypatch.setattr(graphs, "capture", capture)
     monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options: function)
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
 
     def no_eager_prefill(*args: object, **kwargs: object) -> object:
         raise AssertionError("the engine ran transformers' eager prefill")

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
+from cachelife.generation.regions import own_code, specialization
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
@@ -117,16 +118,18 @@ def input_name(model: PreTrainedModel) -> str:
 
 
 def compiled_step(
-    model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions
+    model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions, *, kind: object
 ) -> StepFunction:
+    """`function` compiled for `model`, in a region of its own per mode, options and `kind` of arguments
+    (`cachelife.generation.regions`)."""
     functions = runtime_of(model).compiled
-    key = (name, mode, repr(sorted(extra.items())))
+    key = (name, mode, repr(sorted(extra.items())), kind)
     if key not in functions:
         # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
         # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
         options = mode_with(mode, {**extra, "emulate_precision_casts": True})
-        functions[key] = torch.compile(function, fullgraph=True, options=options)
+        functions[key] = torch.compile(own_code(function), fullgraph=True, options=options)
     return functions[key]
 
 
@@ -161,7 +164,8 @@ def stepper(
                 type(model).__name__,
             )
         options = settings.compile_options
-        one_step = compiled_step(model, name, function, "default", options)
+        kind = specialization(arguments(0, 1, read_only))
+        one_step = compiled_step(model, name, function, "default", options, kind=kind)
         # The graph's name is part of its key: a graph of the step compiled with other options is another graph.
         graph_name = f"{name} with {dict(sorted(options.items()))}" if options else name
         graphed = GraphedSteps(
@@ -170,7 +174,10 @@ def stepper(
         )  # fmt: skip
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    step = compiled_step(model, name, function, mode, settings.compile_options) if settings.compile_step else function
+    step = function
+    if settings.compile_step:
+        kind = specialization(arguments(0, spc, read_only))
+        step = compiled_step(model, name, function, mode, settings.compile_options, kind=kind)
     calls = itertools.count()
 
     def advance() -> int:
