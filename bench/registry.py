@@ -170,6 +170,13 @@ _ENTRIES = (
         "cuda", "levers-whisper-large-v3-b1-bfloat16-fused-decode_attention-all-*cuda*.json",
     ),
     Benchmark(
+        "kernels-whisper-attention", "bench.levers", _levers("baseline,decode_attention,all", "--logits"),
+        "the decode attention kernel alone and all of cachelife's kernels with cachelife.FAST_KERNELS against the "
+        "baseline, whisper-large-v3 shape, bf16, batch 1 (kernels-whisper without its fused preset, to fit a "
+        "machine's 10-minute command)",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-decode_attention-all-*cuda*.json",
+    ),
+    Benchmark(
         "kernels-turbo", "bench.levers", _levers("baseline,all", "--model", "whisper-large-v3-turbo"),
         "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the "
         "whisper-large-v3-turbo shape (4 decoder layers), bf16, batch 1",
