@@ -9,8 +9,9 @@ a service that met a few models and settings failed on the next one.
 
 Each compiled step gets a copy of its function with a code object of its own (`own_code`), per model and per
 `specialization` of its arguments, so that dynamo's limit counts only what one region varies in: shapes and
-numbers (a size that changed is compiled dynamic at the region's next compilation). A specialization that this key misses is still guarded
-by dynamo (a recompilation in the region), so the key decides how entries are grouped, never which code runs.
+numbers (a size that changed is compiled dynamic at the region's next compilation). A specialization that this
+key misses is still guarded by dynamo (a recompilation in the region), so the key decides how entries are
+grouped, never which code runs.
 """
 
 from __future__ import annotations
