@@ -2,7 +2,8 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,sequential,auto,generate_batch] [--num-beams 1] [--ttft] [--out DIR]
+                           [--paths engine,sequential,auto,generate_batch] [--num-beams 1] [--ttft]
+                           [--switch-interval SECONDS] [--out DIR]
 
 `--requests` requests with mixed lengths (new tokens spread over `--new-tokens`, exactly that many each:
 `min_new_tokens = max_new_tokens`; decoder-only prompts of 16-128 tokens; Whisper's 30-second windows of
@@ -242,7 +243,14 @@ def main() -> int:
     parser.add_argument(
         "--profile-scheduler", default="", help="write cProfile statistics of the engine's scheduler thread here"
     )
+    parser.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="sys.setswitchinterval(seconds) for the whole run: how long a thread holds Python's lock before "
+        "another that waits for it may take it (the scheduler thread waits behind the requests' threads)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     paths = args.paths.split(",")
@@ -259,9 +267,11 @@ def main() -> int:
     stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
     stem += "-ttft" if args.ttft else ""
     stem += f"-beams{args.num_beams}" if args.num_beams > 1 else ""
+    stem += f"-switch{1000 * args.switch_interval:g}ms" if args.switch_interval is not None else ""
     out = results_file(args.out, stem, device, "bench.engine", {
         "model": args.model, "dtype": args.dtype, "requests": args.requests, "rows": args.rows,
         "steps_per_call": args.steps_per_call, "num_beams": args.num_beams,
+        "switch_interval_s": sys.getswitchinterval(),
         "new_tokens": [shortest, longest], "argv": sys.argv[1:], "results": [],
     })  # fmt: skip
     reference: list[torch.Tensor] | None = None

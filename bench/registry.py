@@ -255,6 +255,15 @@ _ENTRIES = (
         "cuda", "engine-whisper-large-v3-cuda*.json",
     ),
     Benchmark(
+        "engine-whisper-switch", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16,64",
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--paths", "engine,sequential",
+         "--switch-interval", "0.0005"),
+        "the engine-whisper comparison (engine and enabled sequential) with Python's thread switch interval at "
+        "0.5 ms instead of 5: whether the scheduler thread's joins wait behind the requests' threads",
+        "cuda", "engine-whisper-large-v3-switch*cuda*.json",
+    ),
+    Benchmark(
         "engine-whisper-beams", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,4,16",
          "--requests", "32", "--rows", "40", "--new-tokens", "16,64", "--num-beams", "5",
