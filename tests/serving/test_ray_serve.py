@@ -10,6 +10,7 @@ import io
 import json
 import math
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -354,6 +355,21 @@ def post(url: str, body: bytes, content_type: str) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
+def routed(address: str, paths: list[str], seconds: float = 120.0) -> None:
+    """Wait until Serve's HTTP proxy routes every path to its application: `serve.run` returns once the
+    replicas are up, and the proxy learns the new route prefixes after that (a 404 meanwhile)."""
+    deadline = time.monotonic() + seconds
+    waiting = list(paths)
+    while waiting:
+        if post(f"{address}{waiting[0]}", b"{}", "application/json")[0] != 404:
+            waiting.pop(0)
+        elif time.monotonic() > deadline:
+            msg = f"Serve's proxy still answers 404 for {waiting} after {seconds} s"
+            raise TimeoutError(msg)
+        else:
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """Serve's HTTP address with the Llama at /llama and the Whisper at /whisper, on a local 2-CPU Ray."""
@@ -371,7 +387,9 @@ def server() -> Iterator[str]:
         engine: dict[str, Any] = {"rows": 2, "max_length": 64, "queue_size": 4, "compile_step": False}
         serve.run(ray_serve.application(llama, name="llama", **engine), name="llama", route_prefix="/llama")
         serve.run(ray_serve.application(whisper, name="whisper", **engine), name="whisper", route_prefix="/whisper")
-        yield "http://127.0.0.1:8000"
+        address = "http://127.0.0.1:8000"
+        routed(address, ["/llama/v1/completions", "/whisper/v1/audio/transcriptions"])
+        yield address
     finally:
         serve.shutdown()
         ray.shutdown()
