@@ -1,6 +1,6 @@
 # Stubs for the parts of transformers that cachelife, its tests and benchmarks use.
-# Checked against transformers 5.17.0, 5.23.0 and 5.24.0; tests/test_stubs.py compares every declaration here with
-# the installed transformers (signatures, attribute types, bases, re-exports) on 5.17.0 and 5.24.0.
+# Checked against transformers 5.17.0, 5.23.0, 5.24.0 and 5.25.0; tests/test_stubs.py compares every declaration
+# here with the installed transformers (signatures, attribute types, bases, re-exports) on 5.17.0 and 5.25.0.
 from transformers.cache_utils import (
     Cache as Cache,
     DynamicCache as DynamicCache,

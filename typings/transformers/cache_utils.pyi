@@ -1,4 +1,4 @@
-# transformers.cache_utils, as checked against 5.17.0, 5.23.0 and 5.24.0. Unlike transformers' inline
+# transformers.cache_utils, as checked against 5.17.0, 5.23.0, 5.24.0 and 5.25.0. Unlike transformers' inline
 # annotations, an EncoderDecoderCache's sub-caches are typed `Cache` (not `DynamicCache`), and a layer's
 # keys and values are None until it is initialized, so callers must narrow both.
 from typing import Any

@@ -1,4 +1,4 @@
-# transformers.masking_utils, as checked against 5.17.0 and 5.24.0.
+# transformers.masking_utils, as checked against 5.17.0, 5.24.0 and 5.25.0.
 from collections.abc import Callable
 from typing import Any
 

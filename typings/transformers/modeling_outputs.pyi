@@ -1,4 +1,4 @@
-# transformers.modeling_outputs, as checked against 5.17.0, 5.23.0 and 5.24.0.
+# transformers.modeling_outputs, as checked against 5.17.0, 5.23.0, 5.24.0 and 5.25.0.
 import torch
 from transformers.utils import ModelOutput
 

@@ -1,4 +1,4 @@
-# transformers.distributed, as checked against 5.17.0 and 5.24.0.
+# transformers.distributed, as checked against 5.17.0, 5.24.0 and 5.25.0.
 from typing import Literal
 
 class DistributedConfig:

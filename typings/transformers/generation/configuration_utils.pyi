@@ -1,4 +1,4 @@
-# transformers.generation.configuration_utils, as checked against 5.17.0, 5.23.0 and 5.24.0.
+# transformers.generation.configuration_utils, as checked against 5.17.0, 5.23.0, 5.24.0 and 5.25.0.
 from enum import Enum
 from typing import Any
 

@@ -1,4 +1,4 @@
-# Model families cachelife's zoo, tests and benchmarks build (transformers 5.17.0 - 5.24.0).
+# Model families cachelife's zoo, tests and benchmarks build (transformers 5.17.0 - 5.25.0).
 from typing import Any
 
 from transformers.configuration_utils import PreTrainedConfig
