@@ -33,11 +33,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
+from zipfile import ZipFile
 
 import torch
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +51,9 @@ from bench.registry import BENCHMARKS  # noqa: E402 - importable once the reposi
 
 
 def versions(work: Path) -> dict[str, str]:
-    """transformers version -> extra PYTHONPATH entry ('' for the image's own)."""
+    """transformers version -> extra PYTHONPATH entry ('' for the image's own). A wheel whose huggingface-hub
+    requirement the image's hub does not meet gets the hub wheel of `.whl/` that does, in its own entry; a
+    version that still cannot be imported is left out, and why is printed."""
     image = subprocess.run(
         [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
         capture_output=True,
@@ -61,13 +66,38 @@ def versions(work: Path) -> dict[str, str]:
         if version in found:
             continue
         target = work / f"transformers-{version}"
+        wheels = [wheel, *hub_wheels_needed(wheel)]
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-             "--target", str(target), str(wheel)],
+             "--target", str(target), *map(str, wheels)],
             check=True,
         )  # fmt: skip
+        check = subprocess.run(
+            [sys.executable, "-c", "import transformers.generation, transformers.models.whisper"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=environment(str(target)),
+        )
+        if check.returncode != 0:
+            print(f"transformers {version} left out: it does not import here:\n{check.stderr[-2000:]}")
+            continue
         found[version] = str(target)
     return found
+
+
+def hub_wheels_needed(wheel: Path) -> list[Path]:
+    """The `.whl/` huggingface-hub wheels to install beside `wheel`: none when the image's hub meets its
+    requirement, else the newest one that does."""
+    with ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(name).decode().splitlines()
+    wanted = [Requirement(line.split(":", 1)[1]) for line in lines if line.startswith("Requires-Dist:")]
+    hub = next((r for r in wanted if r.name.replace("_", "-") == "huggingface-hub" and r.marker is None), None)
+    if hub is None or hub.specifier.contains(metadata.version("huggingface_hub"), prereleases=True):
+        return []
+    candidates = sorted((ROOT / ".whl").glob("huggingface_hub-*.whl"), key=lambda p: Version(p.name.split("-")[1]))
+    return [p for p in candidates if hub.specifier.contains(p.name.split("-")[1])][-1:]
 
 
 # The GPU of the track running in this thread ("" for all of them).
