@@ -30,7 +30,8 @@ memory-efficient attention, where the default picks cuDNN on an H200); attention
 (`cachelife.FAST_KERNELS`: combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17); fused
 (`enable(..., fuse_projections=True)`); decode_attention (`enable(..., decode_attention=True)`: cachelife's
 split-KV attention kernel, its torch fallback off CUDA); fused_decode_attention (both); all (both, with
-`cachelife.FAST_KERNELS`). Writes
+`cachelife.FAST_KERNELS`); pdl (inductor's programmatic dependent launch for its Triton kernels, Hopper and
+newer: a kernel starts while the one before it ends). Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
 
@@ -91,6 +92,7 @@ PRESETS: dict[str, Preset] = {
     "decode_attention": Preset({}, decode_attention=True),
     "fused_decode_attention": Preset({}, fuse_projections=True, decode_attention=True),
     "all": Preset(dict(cachelife.FAST_KERNELS), fuse_projections=True, decode_attention=True),
+    "pdl": Preset({"triton.enable_pdl": True}),
 }
 
 

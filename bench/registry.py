@@ -177,6 +177,13 @@ _ENTRIES = (
         "cuda", "levers-whisper-large-v3-b1-bfloat16-decode_attention-all-*cuda*.json",
     ),
     Benchmark(
+        "kernels-whisper-launches", "bench.levers", _levers("baseline,decode_attention,pdl,all"),
+        "the decode attention kernel, inductor's programmatic dependent launch (pdl) and all of cachelife's kernels "
+        "with cachelife.FAST_KERNELS against the baseline, whisper-large-v3 shape, bf16, batch 1, without the "
+        "teacher-forced logits (a second compilation per preset), to fit a machine's 10-minute command",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-decode_attention-pdl-all-*cuda*.json",
+    ),
+    Benchmark(
         "kernels-turbo", "bench.levers", _levers("baseline,all", "--model", "whisper-large-v3-turbo"),
         "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the "
         "whisper-large-v3-turbo shape (4 decoder layers), bf16, batch 1",
@@ -256,11 +263,11 @@ _ENTRIES = (
     ),
     Benchmark(
         "engine-whisper-switch", "bench.engine",
-        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16,64",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "16",
          "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--paths", "engine,sequential",
          "--switch-interval", "0.0005"),
-        "the engine-whisper comparison (engine and enabled sequential) with Python's thread switch interval at "
-        "0.5 ms instead of 5: whether the scheduler thread's joins wait behind the requests' threads",
+        "the engine-whisper comparison (engine and enabled sequential, 16 clients) with Python's thread switch "
+        "interval at 0.5 ms instead of 5: whether the scheduler thread's joins wait behind the requests' threads",
         "cuda", "engine-whisper-large-v3-switch*cuda*.json",
     ),
     Benchmark(
