@@ -4,7 +4,9 @@
 
 Stages: tests (pytest -m gpu on the files of GPU_TESTS, group after group, against the image's transformers and
 every wheel in `.whl/` (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at
-once; `--tests-k` selects some), health,
+once; `--tests-k` selects some; a wheel needing a newer huggingface-hub than the image's takes it from `.whl/hub/`,
+made with `pip download huggingface-hub==<version> --python-version 3.12 --platform manylinux2014_x86_64
+--only-binary=:all: -d .whl/hub`), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
 under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its name (`python -m bench
 list`; newest transformers; each writes its JSON to --out/<stage>).
@@ -52,8 +54,9 @@ from bench.registry import BENCHMARKS  # noqa: E402 - importable once the reposi
 
 def versions(work: Path) -> dict[str, str]:
     """transformers version -> extra PYTHONPATH entry ('' for the image's own). A wheel whose huggingface-hub
-    requirement the image's hub does not meet gets the hub wheel of `.whl/` that does, in its own entry; a
-    version that still cannot be imported is left out, and why is printed."""
+    requirement the image's hub does not meet gets a hub that does, with what that hub requires, from the
+    wheelhouse `.whl/hub/` (wheels for the GPU image's Python), in its own entry; a version that still cannot
+    be imported is left out, and why is printed."""
     image = subprocess.run(
         [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
         capture_output=True,
@@ -66,12 +69,15 @@ def versions(work: Path) -> dict[str, str]:
         if version in found:
             continue
         target = work / f"transformers-{version}"
-        wheels = [wheel, *hub_wheels_needed(wheel)]
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-             "--target", str(target), *map(str, wheels)],
-            check=True,
-        )  # fmt: skip
+        install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-compile", "--target", str(target)]
+        subprocess.run([*install, "--no-deps", str(wheel)], check=True)
+        hub = hub_requirement(wheel)
+        if hub is not None:
+            houses = ["--find-links", str(ROOT / ".whl" / "hub")]
+            done = subprocess.run([*install, *houses, str(hub)], check=False, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"transformers {version} left out: no {hub} in .whl/hub/:\n{done.stderr[-2000:]}")
+                continue
         check = subprocess.run(
             [sys.executable, "-c", "import transformers.generation, transformers.models.whisper"],
             check=False,
@@ -86,18 +92,16 @@ def versions(work: Path) -> dict[str, str]:
     return found
 
 
-def hub_wheels_needed(wheel: Path) -> list[Path]:
-    """The `.whl/` huggingface-hub wheels to install beside `wheel`: none when the image's hub meets its
-    requirement, else the newest one that does."""
+def hub_requirement(wheel: Path) -> Requirement | None:
+    """The huggingface-hub requirement of the transformers `wheel`, if the image's hub does not meet it."""
     with ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         lines = archive.read(name).decode().splitlines()
     wanted = [Requirement(line.split(":", 1)[1]) for line in lines if line.startswith("Requires-Dist:")]
     hub = next((r for r in wanted if r.name.replace("_", "-") == "huggingface-hub" and r.marker is None), None)
     if hub is None or hub.specifier.contains(metadata.version("huggingface_hub"), prereleases=True):
-        return []
-    candidates = sorted((ROOT / ".whl").glob("huggingface_hub-*.whl"), key=lambda p: Version(p.name.split("-")[1]))
-    return [p for p in candidates if hub.specifier.contains(p.name.split("-")[1])][-1:]
+        return None
+    return hub
 
 
 # The GPU of the track running in this thread ("" for all of them).
