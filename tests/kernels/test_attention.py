@@ -35,7 +35,6 @@ from cachelife.kernels.attention import (
     plan_splits,
     reference_decode_attention,
     split_kernel,
-    triton_runs_on,
 )
 from cachelife.kernels.attention_implementation import (
     ATTENTION,
@@ -43,6 +42,7 @@ from cachelife.kernels.attention_implementation import (
     register_decode_attention,
     use_decode_attention,
 )
+from cachelife.kernels.triton_support import triton_runs_on
 from cachelife.tools import zoo
 
 INTERPRETED = triton_runs_on(torch.device("cpu"))

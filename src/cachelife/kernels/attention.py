@@ -16,26 +16,26 @@ graphs. `cachelife.kernels.attention_implementation` makes it a transformers att
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 import math
-import os
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import Any, Final
 
 import torch
 from attrs import frozen
 
 from cachelife.errors import CacheShapeError
+from cachelife.kernels.triton_support import (
+    Pointer,
+    Scalar,
+    constexpr,
+    launching_on,
+    multiprocessors,
+    power_of_two_at_least,
+    tl,
+    triton,
+    triton_runs_on,
+)
 from cachelife.validate import check_int
-
-triton: Any
-tl: Any
-try:
-    triton = importlib.import_module("triton")
-    tl = importlib.import_module("triton.language")
-except ImportError:
-    triton = tl = None
 
 # The name under which transformers' attention and mask interfaces know `decode_attention_forward`.
 DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,17 +51,6 @@ _LAUNCH: Final = {"num_warps": 4, "enable_fp_fusion": True}
 _NO_MASK: Final = 0
 _BOOL_MASK: Final = 1
 _ADDED_MASK: Final = 2
-
-# Kernel parameter annotations. Triton takes a parameter annotated `constexpr` (by that name) as a compile-time
-# constant, and resolves every annotation in a kernel's module when it compiles, where it accepts only Triton's
-# own objects; mypy reads them as what the host passes.
-if TYPE_CHECKING:
-    constexpr: TypeAlias = int
-    Pointer: TypeAlias = Any
-    Scalar: TypeAlias = Any
-else:
-    constexpr = int if tl is None else tl.constexpr
-    Pointer = Scalar = object if tl is None else tl.tensor
 
 
 def split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
@@ -176,18 +165,14 @@ class SplitPlan:
     split_size: int
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def plan_splits(
     *, batch: int, kv_heads: int, group: int, positions: int, key_dim: int, value_dim: int, programs: int,
     splits: int | None = None,
 ) -> SplitPlan:  # fmt: skip
     """The plan for these static shapes: as many splits as bring the programs of phase 1 to `programs` (or
     `splits` if given), at most one per tile and `MAX_SPLITS`, then as few as keep the same tiles per split."""
-    block_g = _power_of_two_at_least(group)
-    block_dk, block_dv = _power_of_two_at_least(key_dim), _power_of_two_at_least(value_dim)
+    block_g = power_of_two_at_least(group)
+    block_dk, block_dv = power_of_two_at_least(key_dim), power_of_two_at_least(value_dim)
     fit = _TILE_ELEMENTS // (block_g * max(block_dk, block_dv))
     block_n = min(max(1 << max(fit, 1).bit_length() - 1, 16), 128)
     tiles = math.ceil(positions / block_n)
@@ -257,29 +242,9 @@ def reference_decode_attention(
     return output.to(query.dtype)
 
 
-def triton_runs_on(device: torch.device) -> bool:
-    """Whether the op takes the Triton kernels on tensors of `device`: Triton installed, and the device CUDA
-    without `TRITON_INTERPRET=1`, or the CPU with it (Triton's interpreter, which would copy CUDA tensors to the
-    host and back: the torch fallback serves them then)."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return not interpreting
-    return device.type == "cpu" and interpreting
-
-
-@functools.cache
 def _programs(device: torch.device) -> int:
-    """How many programs phase 1 aims at on `device`: a few per streaming multiprocessor on CUDA; one elsewhere
-    (the interpreter runs programs one after another)."""
-    if device.type != "cuda":
-        return 1
-    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _launching_on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """How many programs phase 1 aims at on `device`: a few per streaming multiprocessor."""
+    return _PROGRAMS_PER_SM * multiprocessors(device)
 
 
 def _triton_decode_attention(
@@ -308,7 +273,7 @@ def _triton_decode_attention(
     part_sum = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
     out_strides = (out.stride(0), out.stride(1), out.stride(3))
     split, combine = _jitted()
-    with _launching_on(query.device):  # Triton launches on the current device, not the tensors'
+    with launching_on(query.device):
         split[(batch * kv_heads, plan.splits)](
             query, key, value, mask_arg, out, part_acc, part_max, part_sum,
             scale, heads, positions, plan.split_size, plan.splits,
@@ -320,7 +285,7 @@ def _triton_decode_attention(
         if not final:
             combine[(batch * heads,)](
                 part_acc, part_max, part_sum, out, heads, plan.splits, *out_strides,
-                VALUE_DIM=value_dim, BLOCK_S=_power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **_LAUNCH,
+                VALUE_DIM=value_dim, BLOCK_S=power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **_LAUNCH,
             )  # fmt: skip
     return out
 

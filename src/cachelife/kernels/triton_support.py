@@ -1,0 +1,62 @@
+"""What cachelife's Triton kernels share: Triton itself (None where it is not installed), the annotations of
+kernel parameters, whether the kernels serve tensors of a device, and where they launch."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+
+triton: Any
+tl: Any
+try:
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
+except ImportError:
+    triton = tl = None
+
+# Kernel parameter annotations. Triton takes a parameter annotated `constexpr` (by that name) as a compile-time
+# constant, and resolves every annotation in a kernel's module when it compiles, where it accepts only Triton's
+# own objects; mypy reads them as what the host passes.
+if TYPE_CHECKING:
+    constexpr: TypeAlias = int
+    Pointer: TypeAlias = Any
+    Scalar: TypeAlias = Any
+else:
+    constexpr = int if tl is None else tl.constexpr
+    Pointer = Scalar = object if tl is None else tl.tensor
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the kernels serve tensors of `device`: Triton installed, and the device CUDA without
+    `TRITON_INTERPRET=1`, or the CPU with it (Triton's interpreter, which would copy CUDA tensors to the host
+    and back: the torch fallbacks serve them then)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return not interpreting
+    return device.type == "cpu" and interpreting
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA `device`; 1 elsewhere (the interpreter runs programs one after
+    another)."""
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two not below `n` (Triton's ranges are powers of two); 1 for 0."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def launching_on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device, not the tensors': this makes it theirs."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
