@@ -184,6 +184,12 @@ _ENTRIES = (
         "cuda", "levers-whisper-large-v3-b1-bfloat16-decode_attention-pdl-all-*cuda*.json",
     ),
     Benchmark(
+        "linear-kernel", "bench.linear", ("--device", "cuda", "--dtype", "bfloat16", "--rows", "1,8"),
+        "cachelife's small-batch linear kernel against torch's product (cuBLAS), one product at a time in CUDA "
+        "graphs, at the whisper-large-v3 and Llama-3.2-1B decoders' shapes, 1 and 8 rows, bf16",
+        "cuda", "linear-bfloat16-cuda-*.json",
+    ),
+    Benchmark(
         "kernels-turbo", "bench.levers", _levers("baseline,all", "--model", "whisper-large-v3-turbo"),
         "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the "
         "whisper-large-v3-turbo shape (4 decoder layers), bf16, batch 1",
