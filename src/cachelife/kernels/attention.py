@@ -25,6 +25,8 @@ from attrs import frozen
 
 from cachelife.errors import CacheShapeError
 from cachelife.kernels.triton_support import (
+    DTYPES,
+    LAUNCH,
     Pointer,
     Scalar,
     constexpr,
@@ -37,15 +39,11 @@ from cachelife.kernels.triton_support import (
 )
 from cachelife.validate import check_int
 
-# The name under which transformers' attention and mask interfaces know `decode_attention_forward`.
-DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
 # Most splits per (batch, key/value head): phase 2 combines them in one tile.
 MAX_SPLITS: Final = 64
 # Elements of phase 1's largest tile (query heads x positions x head size), which sets the positions per tile.
 _TILE_ELEMENTS: Final = 8192
 _PROGRAMS_PER_SM: Final = 2
-# Launch options of both kernels; fused multiply-adds stated, since Triton 3.10 changes its default.
-_LAUNCH: Final = {"num_warps": 4, "enable_fp_fusion": True}
 # The split kernel's MASK: none, bool or added to the scores (it compares numbers: Triton kernels read no
 # Python globals).
 _NO_MASK: Final = 0
@@ -280,12 +278,12 @@ def _triton_decode_attention(
             query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), *mask_strides,
             *out_strides,
             GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
-            BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final, **_LAUNCH,
+            BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final, **LAUNCH,
         )  # fmt: skip
         if not final:
             combine[(batch * heads,)](
                 part_acc, part_max, part_sum, out, heads, plan.splits, *out_strides,
-                VALUE_DIM=value_dim, BLOCK_S=power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **_LAUNCH,
+                VALUE_DIM=value_dim, BLOCK_S=power_of_two_at_least(plan.splits), BLOCK_DV=plan.block_dv, **LAUNCH,
             )  # fmt: skip
     return out
 

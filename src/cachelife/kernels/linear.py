@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from cachelife.errors import InvalidArgumentError
 from cachelife.kernels.triton_support import (
+    DTYPES,
+    LAUNCH,
     Pointer,
     Scalar,
     constexpr,
@@ -36,13 +38,11 @@ from cachelife.kernels.triton_support import (
     triton_runs_on,
 )
 
-DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS: Final = 16
 """Most input rows the kernel takes; more go to `torch.nn.functional.linear`."""
 # Elements of a program's product tile (rows x output features x input features) held at once.
 _TILE_ELEMENTS: Final = 4096
 _PROGRAMS_PER_SM: Final = 2
-_LAUNCH: Final = {"num_warps": 4, "enable_fp_fusion": True}
 
 
 def small_linear_kernel(  # noqa: PLR0917 (a Triton kernel: every pointer, size and stride positionally)
@@ -115,7 +115,7 @@ def _triton_small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         _jitted()[(math.ceil(features / block_n),)](
             flat, weight, weight if bias is None else bias, out, rows, features, inputs,
             *flat.stride(), *weight.stride(), *out.stride(),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_LAUNCH,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **LAUNCH,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], features)
 

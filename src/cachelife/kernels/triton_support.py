@@ -7,7 +7,7 @@ import contextlib
 import functools
 import importlib
 import os
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import torch
 
@@ -18,6 +18,11 @@ try:
     tl = importlib.import_module("triton.language")
 except ImportError:
     triton = tl = None
+
+DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
+"""The floating-point dtypes the kernels take (they accumulate in float32)."""
+LAUNCH: Final = {"num_warps": 4, "enable_fp_fusion": True}
+"""Launch options of every kernel; fused multiply-adds stated, since Triton 3.10 changes its default."""
 
 # Kernel parameter annotations. Triton takes a parameter annotated `constexpr` (by that name) as a compile-time
 # constant, and resolves every annotation in a kernel's module when it compiles, where it accepts only Triton's
