@@ -4,8 +4,8 @@ features reads its rows of the weight once, for every input row.
 At one to a few rows a matrix product is a matrix-vector product: its time is the weight's bytes over the
 memory bandwidth, and cuBLAS's tiles for it leave much of that bandwidth unused on a GPU. `small_linear` cuts
 the output features into blocks of `BLOCK_N` so that the programs cover the GPU, and each program walks the
-input features in tiles, accumulating in float32. The bias is added before the one rounding to the output's
-dtype.
+input features in tiles, accumulating in float32 per lane and summing the lanes once at the end. The bias is
+added before the one rounding to the output's dtype.
 
 It runs the custom op `cachelife::small_linear`: Triton kernels on CUDA tensors, and on CPU tensors under
 `TRITON_INTERPRET=1`; `torch.nn.functional.linear` everywhere else and for more than `MAX_ROWS` rows. Its fake
@@ -56,13 +56,15 @@ def small_linear_kernel(  # noqa: PLR0917 (a Triton kernel: every pointer, size 
     m = tl.arange(0, BLOCK_M)
     n_in = n < features
     m_in = m < rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # Products summed per lane across the tiles, and across the lanes once at the end.
+    partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for start in range(0, inputs, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         k_in = k < inputs
         w = tl.load(weight + n[:, None] * w_sn + k[None, :] * w_sk, mask=n_in[:, None] & k_in[None, :], other=0.0)
         a = tl.load(x + m[:, None] * x_sm + k[None, :] * x_sk, mask=m_in[:, None] & k_in[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        partial += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(partial, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     target = out + m[:, None] * o_sm + n[None, :] * o_sn
