@@ -156,17 +156,21 @@ def test_a_model_with_a_part_of_its_own_attention_is_refused_before_anything_cha
     assert any("cachelife_fused" in name for name, _ in model.named_buffers())
 
 
-def test_the_kernel_on_cuda_is_enabled_with_a_warning(
+def test_the_kernel_is_enabled_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """On CUDA too: the process lost in GPU runs 26 and 29 was pytest ending its session on a warning filter it
+    could not parse, not the kernel, whose GPU tests (captured in CUDA graphs too) pass since run 35."""
     model = zoo.build("llama").model
-    with caplog.at_level(logging.WARNING, logger="cachelife"):
-        cachelife.enable(model, decode_attention=True)
-    assert "experimental" not in caplog.text  # on the CPU: its interpreter and torch paths are tested
-    cachelife.disable(model)
-    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
-    with caplog.at_level(logging.WARNING, logger="cachelife"):
-        cachelife.enable(model, decode_attention=True)
-    assert "decode_attention=True on CUDA is experimental" in caplog.text
+    for device in (torch.device("cpu"), torch.device("cuda")):
+
+        def on(self: object, device: torch.device = device) -> torch.device:
+            return device
+
+        monkeypatch.setattr(type(model), "device", property(on))
+        with caplog.at_level(logging.WARNING, logger="cachelife"):
+            cachelife.enable(model, decode_attention=True)
+        assert model.device == device
+        assert not caplog.records, caplog.text
+        cachelife.disable(model)
     monkeypatch.undo()
-    cachelife.disable(model)

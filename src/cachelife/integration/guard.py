@@ -125,12 +125,6 @@ class DecodingGuard:
                 logger.debug(
                     "%s: attention implementation switched to cachelife's decode attention", type(model).__name__
                 )
-                if model.device.type == "cuda":
-                    logger.warning(
-                        "decode_attention=True on CUDA is experimental: in cachelife's GPU tests a process "
-                        "crashed while a step with this kernel was captured in a CUDA graph (not yet diagnosed; "
-                        "docs/limits.md); leave it off in production"
-                    )
             elif switch:
                 self.restore_attention()
             runtime.release()
