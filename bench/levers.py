@@ -31,7 +31,9 @@ memory-efficient attention, where the default picks cuDNN on an H200); attention
 (`enable(..., fuse_projections=True)`); decode_attention (`enable(..., decode_attention=True)`: cachelife's
 split-KV attention kernel, its torch fallback off CUDA); fused_decode_attention (both); all (both, with
 `cachelife.FAST_KERNELS`); pdl (inductor's programmatic dependent launch for its Triton kernels, Hopper and
-newer: a kernel starts while the one before it ends). Writes
+newer: a kernel starts while the one before it ends); small_linear (`enable(..., small_linear=True)`: the
+step's products of few rows through cachelife's Triton kernel); fused_small_linear (with fused projections).
+Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
 
@@ -76,6 +78,7 @@ class Preset:
     attn_implementation: str | None = None  # set on the model after it is built; None: the model's default
     fuse_projections: bool = False  # cachelife.enable's kernel options
     decode_attention: bool = False
+    small_linear: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -93,6 +96,8 @@ PRESETS: dict[str, Preset] = {
     "fused_decode_attention": Preset({}, fuse_projections=True, decode_attention=True),
     "all": Preset(dict(cachelife.FAST_KERNELS), fuse_projections=True, decode_attention=True),
     "pdl": Preset({"triton.enable_pdl": True}),
+    "small_linear": Preset({}, small_linear=True),
+    "fused_small_linear": Preset({}, fuse_projections=True, small_linear=True),
 }
 
 
@@ -162,7 +167,10 @@ def child(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     model, inputs = model_and_inputs(args.model, args.batch_size, device, dtype)
-    cachelife.enable(model, fuse_projections=preset.fuse_projections, decode_attention=preset.decode_attention)
+    cachelife.enable(
+        model, fuse_projections=preset.fuse_projections, decode_attention=preset.decode_attention,
+        small_linear=preset.small_linear,
+    )  # fmt: skip
     if preset.attn_implementation is not None:
         model.set_attn_implementation(preset.attn_implementation)
 
@@ -184,7 +192,11 @@ def child(args: argparse.Namespace) -> None:
             "preset": args.child,
             "options": preset.options,
             "attention": [backend.name for backend in preset.attention],
-            "enable": {"fuse_projections": preset.fuse_projections, "decode_attention": preset.decode_attention},
+            "enable": {
+                "fuse_projections": preset.fuse_projections,
+                "decode_attention": preset.decode_attention,
+                "small_linear": preset.small_linear,
+            },
             "attn_implementation": model.config._attn_implementation,
             "first_call_s": round(first_call_s, 3),
             "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),

@@ -184,6 +184,12 @@ _ENTRIES = (
         "cuda", "levers-whisper-large-v3-b1-bfloat16-decode_attention-pdl-all-*cuda*.json",
     ),
     Benchmark(
+        "kernels-whisper-linear", "bench.levers", _levers("baseline,small_linear,fused,fused_small_linear"),
+        "cachelife's small-batch linear kernel in the step (enable(small_linear=True)), alone and with fused "
+        "projections, against the baseline and fused projections alone, whisper-large-v3 shape, bf16, batch 1",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-small_linear-fused-fused_small_linear-*cuda*.json",
+    ),
+    Benchmark(
         "linear-kernel", "bench.linear", ("--device", "cuda", "--dtype", "bfloat16", "--rows", "1,8"),
         "cachelife's small-batch linear kernel against torch's product (cuBLAS), one product at a time in CUDA "
         "graphs, at the whisper-large-v3 and Llama-3.2-1B decoders' shapes, 1 and 8 rows, bf16",

@@ -28,8 +28,9 @@ from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compiled import InductorOptions, mode_with
-from cachelife.integration.enabling import pool_of
+from cachelife.integration.enabling import pool_of, small_linear_of
 from cachelife.integration.runtime import FIRST_CALLS, runtime_of
+from cachelife.kernels.linear import through_small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,11 @@ def stepper(
     cachelife captured (CUDA, `cuda_graphs="cachelife"`), or calls of the step compiled with `steps_per_call`
     steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly. `rewind` and
     `live_settings` are `GraphedSteps`'; `fixed_buffers` says that the caller keeps its caches for the steps'
-    whole life (an engine's), so no pool is needed to keep their addresses."""
+    whole life (an engine's), so no pool is needed to keep their addresses. A model enabled with
+    `small_linear=True` runs its steps within `cachelife.kernels.linear.SmallLinearProducts`."""
     spc, device = settings.steps_per_call, model.device
+    if small_linear_of(model):
+        function, name = through_small_linear(function), f"{name} with small_linear"
     if uses_own_graphs(settings, device):
         if not fixed_buffers and pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):
             logger.warning(

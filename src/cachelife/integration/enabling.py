@@ -30,6 +30,7 @@ def enable(
     encoder_buckets: Sequence[int] | None = None,
     fuse_projections: bool = False,
     decode_attention: bool = False,
+    small_linear: bool = False,
 ) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
@@ -48,11 +49,14 @@ def enable(
     `decode_attention=True` sets cachelife's split-KV attention kernel for one query as the attention
     implementation of every config the model holds, for self- and cross-attention
     (`cachelife.kernels.attention_implementation`; transformers' SDPA for prompts); `disable`, or a later
-    `enable` without it, gives each config its previous implementation back. Changing either releases the
-    model's runtime (`release`). Fails at once, before anything is patched, if an argument is invalid
-    (`InvalidArgumentError`), the model is no transformers generation model, its shapes cannot be inferred,
-    the buckets are invalid (`InvalidBucketsError`) or unsafe for it, or `decode_attention=True` and a part of
-    the model computes attention outside transformers' attention interface (both `UnsupportedGenerationError`).
+    `enable` without it, gives each config its previous implementation back. `small_linear=True` runs every
+    decoding step's linear products of at most 16 rows (a step's batch) through cachelife's Triton kernel for
+    few rows (`cachelife.kernels.linear`; torch's product where Triton does not run); nothing in the model
+    changes. Changing any of the three releases the model's runtime (`release`). Fails at once, before anything
+    is patched, if an argument is invalid (`InvalidArgumentError`), the model is no transformers generation
+    model, its shapes cannot be inferred, the buckets are invalid (`InvalidBucketsError`) or unsafe for it, or
+    `decode_attention=True` and a part of the model computes attention outside transformers' attention
+    interface (both `UnsupportedGenerationError`).
     """
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
@@ -60,6 +64,7 @@ def enable(
     check_int("pool_bytes", pool_bytes, minimum=0, note="(0 turns the pool off)")
     check_bool("fuse_projections", fuse_projections)
     check_bool("decode_attention", decode_attention)
+    check_bool("small_linear", small_linear)
     buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     existing = guard_of(model)
     if existing is None:
@@ -77,17 +82,24 @@ def enable(
         existing.encoder_buckets = buckets
         existing.fuse_projections = fuse_projections
         existing.decode_attention = decode_attention
+        was, existing.small_linear = existing.small_linear, small_linear
         existing.pool(model)
-        existing.apply_kernels(model)
+        existing.apply_kernels(model, small_linear_was=was)
         return model
     guard = DecodingGuard(
         on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections,
-        decode_attention=decode_attention,
+        decode_attention=decode_attention, small_linear=small_linear,
     )  # fmt: skip
     guard.apply_kernels(model)
     guard.install(model)
     guard.pool(model)
     return model
+
+
+def small_linear_of(model: object) -> bool:
+    """Whether the model is enabled with `small_linear=True`."""
+    guard = guard_of(model)
+    return guard is not None and guard.small_linear
 
 
 def pool_of(model: object) -> CachePool | None:

@@ -66,7 +66,8 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 class DecodingGuard:
     """What `enable` installs on one model: two forward hooks and three wrapped methods, with `fuse_projections`
     the model's fused projections (`cachelife.kernels.fusion`) and with `decode_attention` cachelife's decode
-    attention as its attention implementation (`cachelife.kernels.attention_implementation`). It holds the
+    attention as its attention implementation (`cachelife.kernels.attention_implementation`); with
+    `small_linear` the decoding steps run their products of few rows through `cachelife.kernels.linear`. It holds the
     model's settings; the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
 
     A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
@@ -77,6 +78,7 @@ class DecodingGuard:
     encoder_buckets: Buckets | None = None
     fuse_projections: bool = False
     decode_attention: bool = False
+    small_linear: bool = False
     _fusion: FusedProjections | None = field(default=None, alias="fusion")
     _attention: AttentionSwitch | None = field(default=None, alias="attention")
     _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
@@ -99,13 +101,15 @@ class DecodingGuard:
         ]
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
-    def apply_kernels(self, model: PreTrainedModel) -> None:
+    def apply_kernels(self, model: PreTrainedModel, *, small_linear_was: bool | None = None) -> None:
         """Fuse the model's projections or restore them, and switch its attention implementation or restore it, as
-        `fuse_projections` and `decode_attention` say. A change releases the model's runtime: its captured graphs
-        and compiled steps read the weights where they were and call the attention they were traced with."""
+        `fuse_projections` and `decode_attention` say; `small_linear_was` is `small_linear`'s value before this
+        call. A change releases the model's runtime: its captured graphs and compiled steps read the weights where
+        they were, call the attention they were traced with, and ran their products as they were traced."""
         fuse = self.fuse_projections != (self._fusion is not None)
         switch = self.decode_attention != (self._attention is not None)
-        if not (fuse or switch):
+        products = small_linear_was is not None and small_linear_was != self.small_linear
+        if not (fuse or switch or products):
             return
         runtime = runtime_of(model)
         with runtime.lock:
@@ -156,8 +160,9 @@ class DecodingGuard:
         # `copy.deepcopy(model)` reaches the guard through the model's __dict__, its hooks and its wrapped
         # methods; every one of them gets this twin, whose hooks and saved attributes are the copy's own.
         twin = DecodingGuard(
-            self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections, self.decode_attention
-        )
+            self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections, self.decode_attention,
+            self.small_linear,
+        )  # fmt: skip
         memo[id(self)] = twin
         twin._fusion = copy.deepcopy(self._fusion, memo)
         twin._attention = copy.deepcopy(self._attention, memo)  # the copy's configs and their previous values

@@ -10,18 +10,21 @@ added before the one rounding to the output's dtype.
 It runs the custom op `cachelife::small_linear`: Triton kernels on CUDA tensors, and on CPU tensors under
 `TRITON_INTERPRET=1`; `torch.nn.functional.linear` everywhere else and for more than `MAX_ROWS` rows. Its fake
 implementation lets dynamo trace it with `fullgraph=True`, and its launch depends on static shapes only, so it
-captures in CUDA graphs. Nothing calls it yet in cachelife's step: `bench.linear` measures it against cuBLAS
-first.
+captures in CUDA graphs. `SmallLinearProducts`, a torch function mode, sends a region's
+`torch.nn.functional.linear` calls of at most `MAX_ROWS` rows to it (`nn.Linear` modules and fused projections
+call that function); cachelife's decoding steps run in it when a model is enabled with `small_linear=True`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from cachelife.errors import InvalidArgumentError
 from cachelife.kernels.triton_support import (
@@ -144,3 +147,34 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise InvalidArgumentError(msg)
     output: torch.Tensor = _small_linear_op(x, weight, bias)
     return output
+
+
+class SmallLinearProducts(TorchFunctionMode):
+    """Within it, `torch.nn.functional.linear` of at most `MAX_ROWS` rows (the product of the input's leading
+    dimensions) of a dtype the kernel takes runs `small_linear`; every other call runs as it would. dynamo
+    traces the mode, so a compiled region entered within it holds the custom op in place of those products."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if math.prod(x.shape[:-1]) <= MAX_ROWS and not input_problem(x, weight, bias):
+                return _small_linear_op(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def through_small_linear(function: Callable[..., None]) -> Callable[..., None]:
+    """`function`, run within `SmallLinearProducts`."""
+
+    def run(**arguments: Any) -> None:
+        with SmallLinearProducts():
+            function(**arguments)
+
+    return run
