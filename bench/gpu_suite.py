@@ -4,9 +4,9 @@
 
 Stages: tests (pytest -m gpu on the files of GPU_TESTS, group after group, against the image's transformers and
 every wheel in `.whl/` (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at
-once; `--tests-k` selects some; a wheel needing a newer huggingface-hub than the image's takes it from `.whl/hub/`,
-made with `pip download huggingface-hub==<version> --python-version 3.12 --platform manylinux2014_x86_64
---only-binary=:all: -d .whl/hub`), health,
+once; `--tests-k` selects some tests, `--test-groups` some groups; a wheel needing a newer huggingface-hub than
+the image's takes it from `.whl/hub/`, made with `pip download huggingface-hub==<version> --python-version 3.12
+--platform manylinux2014_x86_64 --only-binary=:all: -d .whl/hub`), health,
 probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
 under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its name (`python -m bench
 list`; newest transformers; each writes its JSON to --out/<stage>).
@@ -130,11 +130,16 @@ GPU_TESTS = (
 )
 
 
-def run_tests(found: dict[str, str], work: Path, workers: int, select: str = "") -> dict[str, Any]:
+def run_tests(
+    found: dict[str, str], work: Path, workers: int, select: str = "", groups: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """pytest -m gpu for every transformers version at once, one group of files after the other (only the
-    tests `select` picks with -k, if given); one log, junit file and recipe file per version and group."""
+    `groups` named, if any, and the tests `select` picks with -k, if given); one log, junit file and recipe
+    file per version and group."""
     results: dict[str, Any] = {version: {"pytest_returncode": {}, "tests": {}, "recipes": []} for version in found}
     for group, names in GPU_TESTS:
+        if any(groups) and group not in groups:
+            continue
         files = [str(ROOT / name) for name in names if (ROOT / name).exists()]
         running = {}
         for version, path in found.items():
@@ -436,7 +441,9 @@ def tensor_parallel(found: dict[str, str], work: Path, out: Path) -> dict[str, A
 
 def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: argparse.Namespace) -> Any:
     stages: dict[str, Callable[[], Any]] = {
-        "tests": lambda: run_tests(found, work, args.workers, args.tests_k),
+        "tests": lambda: run_tests(
+            found, work, args.workers, args.tests_k, tuple(filter(None, args.test_groups.split(",")))
+        ),
         "health": lambda: health(found, work, 5, args.health_parallel, args.health_cases.split(",")),
         "probe": lambda: probe_hand_pinned(found, work, processes=5),
         "compile-cache": lambda: compile_cache_skips(found, work),
@@ -456,6 +463,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
     parser.add_argument("--tests-k", default="", help="the tests stage runs only the tests this -k expression picks")
+    parser.add_argument("--test-groups", default="", help="the tests stage runs only these GPU_TESTS groups")
     parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
     parser.add_argument("--health-parallel", type=int, default=10, help="health processes at a time")
     parser.add_argument(
