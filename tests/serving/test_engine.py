@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from cachelife.errors import (
 )
 from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
+from cachelife.serving import prefill as prefill_module
 from cachelife.serving.engine import Engine
 from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
@@ -502,3 +504,53 @@ def test_a_failure_after_the_prefill_fails_the_batch_and_the_engine_goes_on(
             engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3).result(timeout=60)
         assert torch.equal(engine.submit(**later).result(timeout=60), alone(llama.model, **later))
         _until(lambda: engine.stats().held == 0)
+
+
+@pytest.mark.slow
+def test_decoder_only_prefills_run_one_compiled_forward_for_every_prompt_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a compiled step a decoder-only newcomer's prefill is a compiled forward, never transformers' eager
+    # `_prefill`, and prompts of six lengths take at most three compilations (the first length, then the length
+    # as a dynamic size, under a recompile limit that six static ones would pass); each request still equals its
+    # own generate.
+    built = build("llama")
+    requests = list(requests_of(built, 6))
+    assert len({request["input_ids"].shape[1] for request in requests}) == 6
+    expected = [cachelife.generate(built.model, fallback=False, **request) for request in requests]
+
+    def no_eager_prefill(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the engine ran transformers' eager prefill")
+
+    monkeypatch.setattr(type(built.model), "_prefill", no_eager_prefill)
+    with torch._dynamo.config.patch(recompile_limit=3), Engine(built.model, rows=2, max_length=40) as engine:
+        results = [future.result(timeout=300) for future in [engine.submit(**request) for request in requests]]
+    for want, got in zip(expected, results, strict=True):
+        assert isinstance(want, torch.Tensor)
+        assert torch.equal(got, want)
+
+
+def test_a_prefill_that_does_not_compile_falls_back_to_the_eager_one_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    built = build("llama")
+    requests = list(requests_of(built, 3))
+    expected = [alone(built.model, **request) for request in requests]
+
+    def uncompilable(model: object, name: str, function: Any, mode: str, options: object, *, kind: object) -> Any:
+        if name != "engine prefill":
+            return function
+
+        def fails(**arguments: Any) -> None:
+            function(**arguments)  # as a failed compilation may leave the scratch cache half written
+            raise RuntimeError("stands in for a compilation error")
+
+        return fails
+
+    monkeypatch.setattr(prefill_module, "compiled_step", uncompilable)
+    monkeypatch.setattr(loop_steps, "compiled_step", uncompilable)
+    with caplog.at_level(logging.WARNING, logger="cachelife"), Engine(built.model, rows=2, max_length=40) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
+    assert sum("failed to compile" in record.getMessage() for record in caplog.records) == 1
+    for want, got in zip(expected, results, strict=True):
+        assert torch.equal(got, want)

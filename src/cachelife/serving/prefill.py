@@ -5,8 +5,10 @@ eagerly: for a deep decoder that costs the host far more than the GPU, and the e
 every request in turn. With cachelife's CUDA graphs, an encoder-decoder model's prefill here prepares the
 inputs as transformers does, copies them into static twins, and replays a graph of the compiled forward,
 captured once per shape of those inputs (every Whisper request of one decoder prompt length, every T5
-request, shares one). Decoder-only prompts differ in length from request to request, and the other settings
-(eager or compiled steps without cachelife's graphs) run transformers' own prefill.
+request, shares one). Decoder-only prompts differ in length from request to request: with a compiled step,
+their forward is compiled (not captured) once for every length, which dynamo compiles as a dynamic size from
+the second length on; the other settings (eager steps, encoder-decoder models without cachelife's graphs)
+run transformers' own prefill.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import lifecycle
-from cachelife.generation.steps import LoopSettings, stepper, uses_own_graphs
+from cachelife.generation.regions import specialization
+from cachelife.generation.steps import LoopSettings, compiled_step, stepper, uses_own_graphs
+from cachelife.integration.runtime import FIRST_CALLS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ class Prefill:
         # One forward per graph, whatever the engine's steps per call.
         self.model, self.scratch, self.settings = model, scratch, attrs.evolve(settings, steps_per_call=1)
         self.captures = bool(model.config.is_encoder_decoder) and uses_own_graphs(settings, model.device)
+        self.compiles = not model.config.is_encoder_decoder and settings.compile_step
+        self.ran: set[Callable[..., None]] = set()  # compiled forwards that have run (compiled) once
         self.logits = torch.zeros(1, vocab, dtype=torch.float32, device=model.device)
         torch._dynamo.mark_static_address(self.logits)
         # shape key -> (static inputs, the function that runs the forward on them)
@@ -72,10 +78,40 @@ class Prefill:
                 logger.debug(
                     "cachelife.Engine: %d prompt shapes have graphs; this one is prefilled eagerly", MAX_SHAPES
                 )
+        if self.compiles and getattr(config, "prefill_chunk_size", None) is None:
+            inputs = self.model.prepare_inputs_for_generation(
+                input_ids, next_sequence_length=None, is_first_iteration=True, **kwargs
+            )
+            if self._compiled_forward(inputs):
+                return self.logits
+            lifecycle(self.scratch).reset()
         outputs = self.model._prefill(input_ids, config, kwargs)
         logits: torch.Tensor = outputs["logits"]
         self.logits.copy_(logits[:, -1])
         return self.logits
+
+    def _compiled_forward(self, inputs: dict[str, Any]) -> bool:
+        """Run the compiled forward on `inputs`; False (once, with a warning; later prefills are eager) if its
+        first call, which compiles it, fails."""
+        kind = specialization(inputs)
+        forward = compiled_step(
+            self.model, "engine prefill", prefill_forward, "default", self.settings.compile_options, kind=kind
+        )
+        if forward in self.ran:
+            forward(model=self.model, inputs=inputs, logits=self.logits)
+            return True
+        try:
+            with FIRST_CALLS:  # the first call compiles
+                forward(model=self.model, inputs=inputs, logits=self.logits)
+        except Exception:
+            logger.warning(
+                "cachelife.Engine: the compiled prefill of %s failed to compile; its newcomers are prefilled "
+                "eagerly from now on", type(self.model).__name__, exc_info=True,
+            )  # fmt: skip
+            self.compiles = False
+            return False
+        self.ran.add(forward)
+        return True
 
     def _shape_key(self, inputs: dict[str, Any]) -> tuple[object, ...] | None:
         """What a graph of the forward on `inputs` depends on, or None for inputs without static twins."""
