@@ -2,7 +2,7 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,sequential,auto,generate_batch] [--num-beams 1] [--ttft]
+                           [--paths engine,engine_eager_prefill,sequential,auto,generate_batch] [--num-beams 1] [--ttft]
                            [--switch-interval SECONDS] [--out DIR]
 
 `--requests` requests with mixed lengths (new tokens spread over `--new-tokens`, exactly that many each:
@@ -14,6 +14,8 @@ random features) are served, per path:
   (`cachelife.enable`: its caches and graphs kept between calls);
   both at `--steps-per-call` steps per graph replay;
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
+- `engine_eager_prefill`: `engine` with every newcomer prefilled by transformers' eager prefill (a
+  decoder-only model's engine compiles its prefill otherwise);
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
 A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that
 nothing done the first time (compilation, captures, a prompt length that transformers' eager prefill has not
@@ -30,6 +32,7 @@ Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import math
 import pstats
@@ -37,7 +40,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -50,6 +53,7 @@ from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, synchronize
 from cachelife.serving.engine import Engine
+from cachelife.serving.prefill import Prefill
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
@@ -179,9 +183,26 @@ def profile_scheduler(path: str) -> None:
     Engine._serve = profiled  # type: ignore[method-assign]  # a benchmark's instrument
 
 
+@contextlib.contextmanager
+def eager_prefills() -> Iterator[None]:
+    """Engines made within prefill every newcomer with transformers' eager prefill (what a decoder-only model's
+    engine did before its prefill was compiled): a benchmark's instrument, for the side-by-side comparison."""
+    made = Prefill.__init__
+
+    def eager(self: Prefill, *arguments: Any, **options: Any) -> None:
+        made(self, *arguments, **options)
+        self.compiles = False
+
+    Prefill.__init__ = eager  # type: ignore[method-assign]  # a benchmark's instrument
+    try:
+        yield
+    finally:
+        Prefill.__init__ = made  # type: ignore[method-assign]
+
+
 def engine_runs(
     out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
-    new: int,
+    new: int, label: str = "engine",
 ) -> None:  # fmt: skip
     """One engine, warmed up, then every request from each `--clients` count of client threads."""
     longest = int(args.new_tokens.split(",")[1])
@@ -198,7 +219,7 @@ def engine_runs(
             after = engine.stats()
             same = [reference is not None and torch.equal(got, want)
                     for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
-            out.add({**summary(f"engine_c{clients}", wall, latencies, new, firsts), "clients": clients,
+            out.add({**summary(f"{label}_c{clients}", wall, latencies, new, firsts), "clients": clients,
                      "equal_to_sequential": all(same), "requests_equal": sum(same),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
@@ -278,7 +299,7 @@ def main() -> int:
     # As the docs ask of every user: without it, each sequential call gets new cache addresses and captures a
     # new CUDA graph. The engine keeps caches of its own either way.
     cachelife.enable(model)
-    if "sequential" in paths or "engine" in paths:
+    if {"sequential", "engine", "engine_eager_prefill"} & set(paths):
 
         def ours(request: Request) -> torch.Tensor:
             return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))
@@ -287,6 +308,9 @@ def main() -> int:
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     if "engine" in paths:
         engine_runs(out, model, requests, args, reference=reference, new=new)
+    if "engine_eager_prefill" in paths:
+        with eager_prefills():
+            engine_runs(out, model, requests, args, reference=reference, new=new, label="engine_eager_prefill")
     if "auto" in paths:
         auto = auto_compile(device)
 

@@ -317,6 +317,14 @@ _ENTRIES = (
         "cuda", "engine-llama-3.2-1b-*cuda*.json",
     ),
     Benchmark(
+        "engine-llama-prefill", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "1,16",
+         "--requests", "64", "--rows", "16", "--new-tokens", "16,64", "--paths", "engine,engine_eager_prefill"),
+        "the engine-llama comparison of a decoder-only newcomer's compiled prefill against transformers' eager "
+        "one (the engine before the compiled prefill), 1 and 16 clients, with sequential cachelife.generate",
+        "cuda", "engine-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
         "longform", "bench.longform",
         ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64",
          "--paths", "auto,cachelife"),
@@ -416,6 +424,14 @@ _ENTRIES = (
         ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--repeats", "10"),
         "per-token streaming latency on the CPU, llama-small shape, fp32, batch 1, greedy, 64 new tokens",
         "cpu", "streaming-llama-small-*cpu*.json",
+    ),
+    Benchmark(
+        "engine-prefill-cpu", "bench.engine",
+        ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--clients", "1,4", "--requests", "8",
+         "--rows", "4", "--new-tokens", "4,12", "--paths", "engine,engine_eager_prefill"),
+        "cachelife.Engine on the CPU, llama-small, fp32: a newcomer's compiled prefill against transformers' eager "
+        "one, 8 requests from 1 and 4 clients, tokens checked equal to sequential cachelife.generate",
+        "cpu", "engine-llama-small-cpu-*.json",
     ),
     Benchmark(
         "engine-cpu", "bench.engine",
