@@ -15,7 +15,8 @@ random features) are served, per path:
   both at `--steps-per-call` steps per graph replay;
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
 - `engine_eager_prefill`: `engine` with every newcomer prefilled by transformers' eager prefill (a
-  decoder-only model's engine compiles its prefill otherwise);
+  decoder-only model's engine compiles its prefill otherwise); the engine paths run in the order given, and
+  one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
 A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that
 nothing done the first time (compilation, captures, a prompt length that transformers' eager prefill has not
@@ -306,11 +307,11 @@ def main() -> int:
 
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
-    if "engine" in paths:
-        engine_runs(out, model, requests, args, reference=reference, new=new)
-    if "engine_eager_prefill" in paths:
-        with eager_prefills():
-            engine_runs(out, model, requests, args, reference=reference, new=new, label="engine_eager_prefill")
+    for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
+        if path in ("engine", "engine_eager_prefill"):
+            label = path if path not in paths[:index] else f"{path}_again"
+            with eager_prefills() if path == "engine_eager_prefill" else contextlib.nullcontext():
+                engine_runs(out, model, requests, args, reference=reference, new=new, label=label)
     if "auto" in paths:
         auto = auto_compile(device)
 
