@@ -82,9 +82,9 @@ def enable(
         existing.encoder_buckets = buckets
         existing.fuse_projections = fuse_projections
         existing.decode_attention = decode_attention
-        was, existing.small_linear = existing.small_linear, small_linear
+        existing.small_linear = small_linear
         existing.pool(model)
-        existing.apply_kernels(model, small_linear_was=was)
+        existing.apply_kernels(model)
         return model
     guard = DecodingGuard(
         on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections,

@@ -81,6 +81,8 @@ class DecodingGuard:
     small_linear: bool = False
     _fusion: FusedProjections | None = field(default=None, alias="fusion")
     _attention: AttentionSwitch | None = field(default=None, alias="attention")
+    # `small_linear` as the model's runtime was last released for: its compiled steps ran their products so.
+    _products: bool = field(default=False, alias="products")
     _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
     _replaced: ReplacedTensors = field(factory=ReplacedTensors, alias="replaced")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
@@ -101,18 +103,19 @@ class DecodingGuard:
         ]
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
-    def apply_kernels(self, model: PreTrainedModel, *, small_linear_was: bool | None = None) -> None:
+    def apply_kernels(self, model: PreTrainedModel) -> None:
         """Fuse the model's projections or restore them, and switch its attention implementation or restore it, as
-        `fuse_projections` and `decode_attention` say; `small_linear_was` is `small_linear`'s value before this
-        call. A change releases the model's runtime: its captured graphs and compiled steps read the weights where
-        they were, call the attention they were traced with, and ran their products as they were traced."""
+        `fuse_projections` and `decode_attention` say. A change of those or of `small_linear` releases the model's
+        runtime: its captured graphs and compiled steps read the weights where they were, call the attention they
+        were traced with, and run their products as they were traced."""
         fuse = self.fuse_projections != (self._fusion is not None)
         switch = self.decode_attention != (self._attention is not None)
-        products = small_linear_was is not None and small_linear_was != self.small_linear
+        products = self.small_linear != self._products
         if not (fuse or switch or products):
             return
         runtime = runtime_of(model)
         with runtime.lock:
+            self._products = self.small_linear
             if fuse and self._fusion is None:
                 self._fusion = fusion.fuse_projections(model)
                 if not self._fusion.groups:
@@ -166,6 +169,7 @@ class DecodingGuard:
         memo[id(self)] = twin
         twin._fusion = copy.deepcopy(self._fusion, memo)
         twin._attention = copy.deepcopy(self._attention, memo)  # the copy's configs and their previous values
+        twin._products = self._products
         twin._hooks = copy.deepcopy(self._hooks, memo)
         twin._saved = copy.deepcopy(self._saved, memo)
         return twin
