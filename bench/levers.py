@@ -19,7 +19,11 @@ in float32; in other dtypes the fraction of equal tokens and, with `--logits`, t
 over `--tokens` steps of a compiled forward (the same preset) fed the baseline's tokens (teacher forcing,
 so every preset sees the same inputs; it costs each preset a second compilation). `--eager-step` runs the step
 and the teacher-forced forward uncompiled, where inductor options do nothing: a quick check of the harness and
-of the presets' `enable` options on a CPU.
+of the presets' `enable` options on a CPU. `--concurrent` starts every preset's process at once, so that
+their first calls compile side by side (on a GPU host, most of a preset's time); each process then waits until
+all have made their first call and takes its turn for everything timed, one process at a time, while the
+others sleep. Its first calls are therefore compilations that shared the CPUs, longer than alone: the file
+says so (`settings.concurrent_first_calls`).
 
 Presets: baseline (defaults); max_autotune_gemm (GEMM templates autotuned); coordinate_descent
 (coordinate_descent_tuning); combo_kernels; freezing (inductor's weights-as-constants pass, which
@@ -41,10 +45,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import functools
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +138,28 @@ def kernel_profile(device: torch.device, run: Any, short: int, long: int) -> dic
     return {"kernel_ms_per_step": round(measured[0], 4), "kernels_per_step": round(measured[1], 2)}
 
 
+def ready_marker(scratch: Path, preset: str) -> Path:
+    return scratch / f"ready-{preset}"
+
+
+@contextlib.contextmanager
+def timing_turn(scratch: Path, preset: str, processes: int) -> Iterator[None]:
+    """With `processes` > 1 (--concurrent): mark this preset's first call done, wait until every preset's is
+    (the parent marks a process that ended early), then hold the scratch folder's lock, one process at a time."""
+    if processes <= 1:
+        yield
+        return
+    ready_marker(scratch, preset).touch()
+    while len(list(scratch.glob("ready-*"))) < processes:
+        time.sleep(0.2)
+    with open(scratch / "timing.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def teacher_forced_logits(
     model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor, preset: Preset, *, compiled: bool = True
 ) -> torch.Tensor:
@@ -182,50 +212,57 @@ def child(args: argparse.Namespace) -> None:
         )  # fmt: skip
         return as_tokens(out)
 
+    scratch = Path(args.scratch)
     with attention_of(preset):
         first_call_s, tokens = timed(device, lambda: run(args.long))
         tokens = tokens[:, : tokens.shape[1] - args.long + args.tokens]  # the first --tokens new tokens
-        run(args.short)
-        short = min(timed(device, lambda: run(args.short))[0] for _ in range(3))
-        long = min(timed(device, lambda: run(args.long))[0] for _ in range(3))
-        record: dict[str, Any] = {
-            "preset": args.child,
-            "options": preset.options,
-            "attention": [backend.name for backend in preset.attention],
-            "enable": {
-                "fuse_projections": preset.fuse_projections,
-                "decode_attention": preset.decode_attention,
-                "small_linear": preset.small_linear,
-            },
-            "attn_implementation": model.config._attn_implementation,
-            "first_call_s": round(first_call_s, 3),
-            "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),
-            "kernels": kernel_profile(device, run, args.short, args.long),
-            "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)
-            if device.type == "cuda"
-            else None,
-        }
-        torch.save(tokens.cpu(), Path(args.scratch) / f"{args.child}-tokens.pt")
-        if dtype != torch.float32 and args.logits:
-            reference = tokens if args.child == "baseline" else torch.load(Path(args.scratch) / "baseline-tokens.pt")
-            logits = teacher_forced_logits(model, inputs, reference.to(device), preset, compiled=not args.eager_step)
-            torch.save(logits.cpu(), Path(args.scratch) / f"{args.child}-logits.pt")
+        torch.save(tokens.cpu(), scratch / f"{args.child}-tokens.pt")
+        with timing_turn(scratch, args.child, args.processes):
+            run(args.short)
+            short = min(timed(device, lambda: run(args.short))[0] for _ in range(3))
+            long = min(timed(device, lambda: run(args.long))[0] for _ in range(3))
+            record: dict[str, Any] = {
+                "preset": args.child,
+                "options": preset.options,
+                "attention": [backend.name for backend in preset.attention],
+                "enable": {
+                    "fuse_projections": preset.fuse_projections,
+                    "decode_attention": preset.decode_attention,
+                    "small_linear": preset.small_linear,
+                },
+                "attn_implementation": model.config._attn_implementation,
+                "first_call_s": round(first_call_s, 3),
+                "wall_ms_per_step": round(1000 * (long - short) / (args.long - args.short), 4),
+                "kernels": kernel_profile(device, run, args.short, args.long),
+                "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                if device.type == "cuda"
+                else None,
+            }
+            if dtype != torch.float32 and args.logits:
+                reference = tokens if args.child == "baseline" else torch.load(scratch / "baseline-tokens.pt")
+                logits = teacher_forced_logits(
+                    model, inputs, reference.to(device), preset, compiled=not args.eager_step
+                )
+                torch.save(logits.cpu(), scratch / f"{args.child}-logits.pt")
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def run_preset(preset: str, args: argparse.Namespace, dtype: str, scratch: Path) -> dict[str, Any]:
-    """Run one preset in a fresh process with an empty compile cache; its record and correctness."""
+def run_preset(preset: str, args: argparse.Namespace, dtype: str, scratch: Path, processes: int) -> dict[str, Any]:
+    """Run one preset in a fresh process with an empty compile cache, `processes` of them at once; its record.
+    A process that ends early is marked ready for the others' `timing_turn`."""
     arguments = [
         "--child", preset, "--scratch", str(scratch), "--device", args.device, "--model", args.model,
         "--batch-size", str(args.batch_size), "--dtype", dtype, "--tokens", str(args.tokens),
-        "--short", str(args.short), "--long", str(args.long), *(["--logits"] if args.logits else []),
-        *(["--eager-step"] if args.eager_step else []),
+        "--short", str(args.short), "--long", str(args.long), "--processes", str(processes),
+        *(["--logits"] if args.logits else []), *(["--eager-step"] if args.eager_step else []),
     ]  # fmt: skip
-    record, process = run_child("bench.levers", arguments, scratch / f"cache-{preset}")
+    try:
+        record, process = run_child("bench.levers", arguments, scratch / f"cache-{preset}")
+    finally:
+        ready_marker(scratch, preset).touch()
     if record is None:
         return {"preset": preset, "returncode": process["returncode"], "stderr_tail": process["stderr_tail"]}
     record["process_s"] = round(process["process_s"], 1)
-    record["correctness"] = correctness(scratch, preset, dtype, args.logits)
     return record
 
 
@@ -257,7 +294,9 @@ def main() -> int:
     parser.add_argument("--long", type=int, default=188, help="new tokens of the long timed run")
     parser.add_argument("--logits", action="store_true", help="teacher-forced logit differences (not in float32)")
     parser.add_argument("--eager-step", action="store_true", help="the step uncompiled: a quick check of the harness")
+    parser.add_argument("--concurrent", action="store_true", help="compile every preset at once, then time in turn")
     parser.add_argument("--child", choices=PRESETS, help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -277,6 +316,7 @@ def main() -> int:
         "model": args.model, "batch_size": args.batch_size, "encoder_input_length": ENCODER_LENGTH,
         "prompt_length": PROMPT_LENGTH, "tokens": args.tokens,
         "timed_new_tokens": [args.short, args.long], "steps_per_call": 1, "compiled_step": not args.eager_step,
+        "concurrent_first_calls": args.concurrent,
     }  # fmt: skip
     chosen = "" if set(presets) == set(PRESETS) else "-" + "-".join(presets[1:] or presets)
     eager = "-eager-step" if args.eager_step else ""
@@ -284,8 +324,14 @@ def main() -> int:
     results = results_file(args.out, stem, device, "levers", {"settings": settings, "results": []})
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
-            for preset in presets:
-                results.add({"dtype": dtype, **run_preset(preset, args, dtype, Path(scratch))})
+            processes = len(presets) if args.concurrent else 1
+            run = functools.partial(run_preset, args=args, dtype=dtype, scratch=Path(scratch), processes=processes)
+            with ThreadPoolExecutor(processes) as pool:
+                records = list(pool.map(run, presets))
+            for record in records:
+                if "returncode" not in record:
+                    record["correctness"] = correctness(Path(scratch), record["preset"], dtype, args.logits)
+                results.add({"dtype": dtype, **record})
     results.finish()
     return 0
 

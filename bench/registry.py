@@ -184,9 +184,11 @@ _ENTRIES = (
         "cuda", "levers-whisper-large-v3-b1-bfloat16-decode_attention-pdl-all-*cuda*.json",
     ),
     Benchmark(
-        "kernels-whisper-linear", "bench.levers", _levers("baseline,small_linear,fused,fused_small_linear"),
+        "kernels-whisper-linear", "bench.levers",
+        _levers("baseline,small_linear,fused,fused_small_linear", "--concurrent"),
         "cachelife's small-batch linear kernel in the step (enable(small_linear=True)), alone and with fused "
-        "projections, against the baseline and fused projections alone, whisper-large-v3 shape, bf16, batch 1",
+        "projections, against the baseline and fused projections alone, whisper-large-v3 shape, bf16, batch 1, "
+        "the presets compiled at once",
         "cuda", "levers-whisper-large-v3-b1-bfloat16-small_linear-fused-fused_small_linear-*cuda*.json",
     ),
     Benchmark(
@@ -196,22 +198,25 @@ _ENTRIES = (
         "cuda", "linear-bfloat16-cuda-*.json",
     ),
     Benchmark(
-        "kernels-turbo", "bench.levers", _levers("baseline,all", "--model", "whisper-large-v3-turbo"),
-        "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the "
-        "whisper-large-v3-turbo shape (4 decoder layers), bf16, batch 1",
-        "cuda", "levers-whisper-large-v3-turbo-b1-bfloat16-all-*cuda*.json",
+        "kernels-turbo", "bench.levers",
+        _levers("baseline,fused,decode_attention,together,all", "--model", "whisper-large-v3-turbo", "--concurrent"),
+        "the baseline against each of cachelife's kernels, cachelife.FAST_KERNELS and all of them together on the "
+        "whisper-large-v3-turbo shape (4 decoder layers), bf16, batch 1, the presets compiled at once",
+        "cuda", "levers-whisper-large-v3-turbo-b1-bfloat16-fused-decode_attention-together-all-*cuda*.json",
     ),
     Benchmark(
-        "kernels-llama", "bench.levers", _levers("baseline,all", "--model", "llama-3.2-1b"),
-        "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the Llama-3.2-1B shape "
-        "(a prompt of 16 tokens), bf16, batch 1",
-        "cuda", "levers-llama-3.2-1b-b1-bfloat16-all-*cuda*.json",
+        "kernels-llama", "bench.levers",
+        _levers("baseline,fused,decode_attention,together,all", "--model", "llama-3.2-1b", "--concurrent"),
+        "the baseline against each of cachelife's kernels, cachelife.FAST_KERNELS and all of them together on the "
+        "Llama-3.2-1B shape (a prompt of 16 tokens), bf16, batch 1, the presets compiled at once",
+        "cuda", "levers-llama-3.2-1b-b1-bfloat16-fused-decode_attention-together-all-*cuda*.json",
     ),
     Benchmark(
-        "kernels-whisper-b8", "bench.levers", _levers("baseline,all", "--batch-size", "8"),
-        "the baseline against all of cachelife's kernels and cachelife.FAST_KERNELS on the whisper-large-v3 "
-        "shape, bf16, batch 8",
-        "cuda", "levers-whisper-large-v3-b8-bfloat16-all-*cuda*.json",
+        "kernels-whisper-b8", "bench.levers",
+        _levers("baseline,fused,decode_attention,all", "--batch-size", "8", "--concurrent"),
+        "the baseline against each of cachelife's kernels and all of them with cachelife.FAST_KERNELS on the "
+        "whisper-large-v3 shape, bf16, batch 8, the presets compiled at once",
+        "cuda", "levers-whisper-large-v3-b8-bfloat16-fused-decode_attention-all-*cuda*.json",
     ),
     Benchmark(
         "generate-t5-small", "bench.generate",
