@@ -31,6 +31,7 @@ def enable(
     fuse_projections: bool = False,
     decode_attention: bool = False,
     small_linear: bool = False,
+    compile_regions: bool = False,
 ) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
@@ -52,7 +53,10 @@ def enable(
     `enable` without it, gives each config its previous implementation back. `small_linear=True` runs every
     decoding step's linear products of at most 16 rows (a step's batch) through cachelife's Triton kernel for
     few rows (`cachelife.kernels.linear`; torch's product where Triton does not run); nothing in the model
-    changes. Changing any of the three releases the model's runtime (`release`). Fails at once, before anything
+    changes. `compile_regions=True` marks every layer of the model's stacks of identical layers as a compile
+    region (`cachelife.kernels.layer_regions`), so that a compiled step compiles one layer's code and calls it
+    for every layer: a shorter first call; `disable`, or a later `enable` without it, restores the layers.
+    Changing any of the four releases the model's runtime (`release`). Fails at once, before anything
     is patched, if an argument is invalid (`InvalidArgumentError`), the model is no transformers generation
     model, its shapes cannot be inferred, the buckets are invalid (`InvalidBucketsError`) or unsafe for it, or
     `decode_attention=True` and a part of the model computes attention outside transformers' attention
@@ -65,6 +69,7 @@ def enable(
     check_bool("fuse_projections", fuse_projections)
     check_bool("decode_attention", decode_attention)
     check_bool("small_linear", small_linear)
+    check_bool("compile_regions", compile_regions)
     buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     existing = guard_of(model)
     if existing is None:
@@ -83,12 +88,13 @@ def enable(
         existing.fuse_projections = fuse_projections
         existing.decode_attention = decode_attention
         existing.small_linear = small_linear
+        existing.compile_regions = compile_regions
         existing.pool(model)
         existing.apply_kernels(model)
         return model
     guard = DecodingGuard(
         on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections,
-        decode_attention=decode_attention, small_linear=small_linear,
+        decode_attention=decode_attention, small_linear=small_linear, compile_regions=compile_regions,
     )  # fmt: skip
     guard.apply_kernels(model)
     guard.install(model)

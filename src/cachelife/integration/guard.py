@@ -52,6 +52,7 @@ from cachelife.integration.skips import SkipReporter
 from cachelife.kernels import fusion
 from cachelife.kernels.attention_implementation import AttentionSwitch, use_decode_attention
 from cachelife.kernels.fusion import FusedProjections
+from cachelife.kernels.layer_regions import LayerRegions, mark_layer_regions
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,10 @@ class DecodingGuard:
     """What `enable` installs on one model: two forward hooks and three wrapped methods, with `fuse_projections`
     the model's fused projections (`cachelife.kernels.fusion`) and with `decode_attention` cachelife's decode
     attention as its attention implementation (`cachelife.kernels.attention_implementation`); with
-    `small_linear` the decoding steps run their products of few rows through `cachelife.kernels.linear`. It holds the
-    model's settings; the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
+    `small_linear` the decoding steps run their products of few rows through `cachelife.kernels.linear`; with
+    `compile_regions` the layers of its stacks of identical layers are compile regions
+    (`cachelife.kernels.layer_regions`). It holds the model's settings; the model's buffers, graphs and pool
+    belong to its runtime (`cachelife.integration.runtime`).
 
     A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
     a fresh runtime); pickling an enabled model raises `EnabledModelPickleError`."""
@@ -79,8 +82,10 @@ class DecodingGuard:
     fuse_projections: bool = False
     decode_attention: bool = False
     small_linear: bool = False
+    compile_regions: bool = False
     _fusion: FusedProjections | None = field(default=None, alias="fusion")
     _attention: AttentionSwitch | None = field(default=None, alias="attention")
+    _regions: LayerRegions | None = field(default=None, alias="regions")
     # `small_linear` as the model's runtime was last released for: its compiled steps ran their products so.
     _products: bool = field(default=False, alias="products")
     _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
@@ -104,14 +109,16 @@ class DecodingGuard:
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
     def apply_kernels(self, model: PreTrainedModel) -> None:
-        """Fuse the model's projections or restore them, and switch its attention implementation or restore it, as
-        `fuse_projections` and `decode_attention` say. A change of those or of `small_linear` releases the model's
-        runtime: its captured graphs and compiled steps read the weights where they were, call the attention they
-        were traced with, and run their products as they were traced."""
+        """Fuse the model's projections or restore them, switch its attention implementation or restore it, and mark
+        its layers as compile regions or restore them, as `fuse_projections`, `decode_attention` and
+        `compile_regions` say. A change of those or of `small_linear` releases the model's runtime: its captured
+        graphs and compiled steps read the weights where they were, call the attention they were traced with, run
+        their products as they were traced and were compiled with the layers as they were."""
         fuse = self.fuse_projections != (self._fusion is not None)
         switch = self.decode_attention != (self._attention is not None)
         products = self.small_linear != self._products
-        if not (fuse or switch or products):
+        mark = self.compile_regions != (self._regions is not None)
+        if not (fuse or switch or products or mark):
             return
         runtime = runtime_of(model)
         with runtime.lock:
@@ -134,6 +141,12 @@ class DecodingGuard:
                 )
             elif switch:
                 self.restore_attention()
+            if mark and self._regions is None:
+                self._regions = mark_layer_regions(model)
+                if not self._regions.layers:
+                    logger.warning("compile_regions=True: %s has no stack of identical layers", type(model).__name__)
+            elif mark:
+                self.restore_regions()
             runtime.release()
 
     def restore_fusion(self) -> None:
@@ -146,9 +159,15 @@ class DecodingGuard:
             self._attention.restore()
             self._attention = None
 
+    def restore_regions(self) -> None:
+        if self._regions is not None:
+            self._regions.restore()
+            self._regions = None
+
     def uninstall(self, model: PreTrainedModel) -> None:
         self.restore_fusion()
         self.restore_attention()
+        self.restore_regions()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -164,12 +183,13 @@ class DecodingGuard:
         # methods; every one of them gets this twin, whose hooks and saved attributes are the copy's own.
         twin = DecodingGuard(
             self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections, self.decode_attention,
-            self.small_linear,
+            self.small_linear, self.compile_regions,
         )  # fmt: skip
         memo[id(self)] = twin
         twin._fusion = copy.deepcopy(self._fusion, memo)
         twin._attention = copy.deepcopy(self._attention, memo)  # the copy's configs and their previous values
         twin._products = self._products
+        twin._regions = copy.deepcopy(self._regions, memo)  # the copy's layers, whose forwards the copy holds
         twin._hooks = copy.deepcopy(self._hooks, memo)
         twin._saved = copy.deepcopy(self._saved, memo)
         return twin
