@@ -36,7 +36,8 @@ memory-efficient attention, where the default picks cuDNN on an H200); attention
 split-KV attention kernel, its torch fallback off CUDA); fused_decode_attention (both); all (both, with
 `cachelife.FAST_KERNELS`); pdl (inductor's programmatic dependent launch for its Triton kernels, Hopper and
 newer: a kernel starts while the one before it ends); small_linear (`enable(..., small_linear=True)`: the
-step's products of few rows through cachelife's Triton kernel); fused_small_linear (with fused projections).
+step's products of few rows through cachelife's Triton kernel); fused_small_linear (with fused projections);
+regions (`enable(..., compile_regions=True)`: each layer class compiled once); all_regions (all, with regions).
 Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
@@ -87,6 +88,7 @@ class Preset:
     fuse_projections: bool = False  # cachelife.enable's kernel options
     decode_attention: bool = False
     small_linear: bool = False
+    compile_regions: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -106,6 +108,10 @@ PRESETS: dict[str, Preset] = {
     "pdl": Preset({"triton.enable_pdl": True}),
     "small_linear": Preset({}, small_linear=True),
     "fused_small_linear": Preset({}, fuse_projections=True, small_linear=True),
+    "regions": Preset({}, compile_regions=True),
+    "all_regions": Preset(
+        dict(cachelife.FAST_KERNELS), fuse_projections=True, decode_attention=True, compile_regions=True
+    ),
 }
 
 
@@ -199,7 +205,7 @@ def child(args: argparse.Namespace) -> None:
     model, inputs = model_and_inputs(args.model, args.batch_size, device, dtype)
     cachelife.enable(
         model, fuse_projections=preset.fuse_projections, decode_attention=preset.decode_attention,
-        small_linear=preset.small_linear,
+        small_linear=preset.small_linear, compile_regions=preset.compile_regions,
     )  # fmt: skip
     if preset.attn_implementation is not None:
         model.set_attn_implementation(preset.attn_implementation)
@@ -229,6 +235,7 @@ def child(args: argparse.Namespace) -> None:
                     "fuse_projections": preset.fuse_projections,
                     "decode_attention": preset.decode_attention,
                     "small_linear": preset.small_linear,
+                    "compile_regions": preset.compile_regions,
                 },
                 "attn_implementation": model.config._attn_implementation,
                 "first_call_s": round(first_call_s, 3),

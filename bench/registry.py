@@ -255,6 +255,21 @@ _ENTRIES = (
         "cuda", "warm-start-beams-*cuda*.json",
     ),
     Benchmark(
+        "warm-start-whisper-regions", "bench.warm_start",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--paths",
+         "cachelife-generate,cachelife-generate-regions,cachelife-generate-beams-regions", "--dtype", "bfloat16",
+         "--tag", "regions"),
+        "warm starts of cachelife.generate on the whisper-large-v3 shape (bf16, batch 4) with and without "
+        "enable(compile_regions=True) (each layer class compiled once), greedy, and 5 beams with regions",
+        "cuda", "warm-start-regions-*cuda*.json",
+    ),
+    Benchmark(
+        "kernels-whisper-regions", "bench.levers", _levers("baseline,regions,all,all_regions", "--concurrent"),
+        "the step with enable(compile_regions=True) against the baseline, alone and with all of cachelife's kernels "
+        "and cachelife.FAST_KERNELS, whisper-large-v3 shape, bf16, batch 1, the presets compiled at once",
+        "cuda", "levers-whisper-large-v3-b1-bfloat16-regions-all-all_regions-*cuda*.json",
+    ),
+    Benchmark(
         "padded-llama", "bench.padded",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--steps-per-call", "4",
          "--paths", "auto,cachelife"),
@@ -395,6 +410,14 @@ _ENTRIES = (
         "warm starts and where the first call's compile time goes, greedy against 5 beams, cachelife.generate "
         "on the CPU, tiny T5 with its generation config",
         "cpu", "warm-start-beams-cpu-*.json",
+    ),
+    Benchmark(
+        "warm-start-regions-cpu", "bench.warm_start",
+        ("--device", "cpu", "--models", "t5-base", "--paths", "cachelife-generate,cachelife-generate-regions",
+         "--new-tokens", "8", "--tag", "regions"),
+        "warm starts of cachelife.generate on the CPU with and without enable(compile_regions=True), t5-base "
+        "shape (12+12 layers) with its generation config",
+        "cpu", "warm-start-regions-cpu-*.json",
     ),
     Benchmark(
         "warm-start-cachelife-generate-cpu", "bench.warm_start",

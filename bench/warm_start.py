@@ -7,7 +7,8 @@
 For each model (with its own generation config; Whisper: language "en", task "transcribe", as
 bench/generate.py) and path (`generate`: `model.generate` on an enabled model with a compiled forward,
 `mode="reduce-overhead"` on a GPU; `cachelife-generate`: `cachelife.generate(model, fallback=False, ...)`, 1
-step per call; `cachelife-generate-beams`: the same with 5 beams), every call decoding exactly `--new-tokens`
+step per call; `cachelife-generate-beams`: the same with 5 beams; `...-regions`: either on a model enabled with
+`compile_regions=True`, its layers compiled once), every call decoding exactly `--new-tokens`
 tokens, three fresh processes, one after another:
 - `empty_dir`: an empty TORCHINDUCTOR_CACHE_DIR (the first deployment); after warm-up it saves
   `cachelife.save_compile_artifacts`;
@@ -59,9 +60,9 @@ def child(args: argparse.Namespace) -> None:
         load_s = time.perf_counter() - started
     device = pick_device(args.device)
     built = build(args.model, False, device, getattr(torch, args.dtype))
-    model = cachelife.enable(built.model)
+    model = cachelife.enable(built.model, compile_regions=args.path.endswith("-regions"))
     inputs = built.inputs(BATCH, LENGTH, 1)
-    beams = BEAMS if args.path.endswith("-beams") else 0
+    beams = BEAMS if "-beams" in args.path else 0
     call = PATHS[args.path](model, inputs, settings_for(args.model, beams, args.new_tokens))
     first_s, tokens = timed(device, call)
     phases = compile_phases()
@@ -115,6 +116,8 @@ PATHS: dict[str, Callable[[PreTrainedModel, zoo.Inputs, Settings], Callable[[], 
     "generate": _generate_call,
     "cachelife-generate": _cachelife_generate_call,
     "cachelife-generate-beams": _cachelife_generate_call,  # with BEAMS beams
+    "cachelife-generate-regions": _cachelife_generate_call,  # on a model enabled with compile_regions=True
+    "cachelife-generate-beams-regions": _cachelife_generate_call,
 }
 BEAMS = 5
 
