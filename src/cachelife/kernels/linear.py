@@ -11,8 +11,10 @@ It runs the custom op `cachelife::small_linear`: Triton kernels on CUDA tensors,
 `TRITON_INTERPRET=1`; `torch.nn.functional.linear` everywhere else and for more than `MAX_ROWS` rows. Its fake
 implementation lets dynamo trace it with `fullgraph=True`, and its launch depends on static shapes only, so it
 captures in CUDA graphs. `SmallLinearProducts`, a torch function mode, sends a region's
-`torch.nn.functional.linear` calls of at most `MAX_ROWS` rows to it (`nn.Linear` modules and fused projections
-call that function); cachelife's decoding steps run in it when a model is enabled with `small_linear=True`.
+`torch.nn.functional.linear` calls of the products it is faster at than cuBLAS (`taken`: one row, at most
+`TAKEN_FEATURES` output features, from `python -m bench run linear-kernel` on an H200) to it (`nn.Linear`
+modules and fused projections call that function); cachelife's decoding steps run in it when a model is enabled
+with `small_linear=True`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ from cachelife.kernels.triton_support import (
 
 MAX_ROWS: Final = 16
 """Most input rows the kernel takes; more go to `torch.nn.functional.linear`."""
+TAKEN_ROWS: Final = 1
+TAKEN_FEATURES: Final = 2048
+"""The products `SmallLinearProducts` sends to the kernel: at most `TAKEN_ROWS` rows and `TAKEN_FEATURES` output
+features, those at which it ran faster than cuBLAS on an H200 (`python -m bench run linear-kernel`)."""
 # Elements of a program's product tile (rows x output features x input features) held at once.
 _TILE_ELEMENTS: Final = 4096
 _PROGRAMS_PER_SM: Final = 2
@@ -149,10 +155,16 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return output
 
 
+def taken(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `SmallLinearProducts` sends this product to the kernel (`TAKEN_ROWS`, `TAKEN_FEATURES`)."""
+    return math.prod(x.shape[:-1]) <= TAKEN_ROWS and weight.dim() == 2 and weight.shape[0] <= TAKEN_FEATURES
+
+
 class SmallLinearProducts(TorchFunctionMode):
-    """Within it, `torch.nn.functional.linear` of at most `MAX_ROWS` rows (the product of the input's leading
-    dimensions) of a dtype the kernel takes runs `small_linear`; every other call runs as it would. dynamo
-    traces the mode, so a compiled region entered within it holds the custom op in place of those products."""
+    """Within it, `torch.nn.functional.linear` products that are `taken` (one row, the product of the input's
+    leading dimensions, and few output features) of a dtype the kernel takes run `small_linear`; every other call
+    runs as it would. dynamo traces the mode, so a compiled region entered within it holds the custom op in place
+    of those products."""
 
     def __torch_function__(
         self,
@@ -165,7 +177,7 @@ class SmallLinearProducts(TorchFunctionMode):
         if func is F.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if math.prod(x.shape[:-1]) <= MAX_ROWS and not input_problem(x, weight, bias):
+            if taken(x, weight) and not input_problem(x, weight, bias):
                 return _small_linear_op(x, weight, bias)
         return func(*args, **kwargs)
 
