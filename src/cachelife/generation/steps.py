@@ -24,6 +24,7 @@ from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
 from cachelife.generation.regions import own_code, specialization
+from cachelife.generation.repeatable import with_repeatable_attention
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
@@ -122,7 +123,8 @@ def compiled_step(
     model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions, *, kind: object
 ) -> StepFunction:
     """`function` compiled for `model`, in a region of its own per mode, options and `kind` of arguments
-    (`cachelife.generation.regions`)."""
+    (`cachelife.generation.regions`), its attention restricted to backends that repeat exactly
+    (`cachelife.generation.repeatable`)."""
     functions = runtime_of(model).compiled
     key = (name, mode, repr(sorted(extra.items())), kind)
     if key not in functions:
@@ -130,7 +132,8 @@ def compiled_step(
         # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
         options = mode_with(mode, {**extra, "emulate_precision_casts": True})
-        functions[key] = torch.compile(own_code(function), fullgraph=True, options=options)
+        step = own_code(with_repeatable_attention(function))
+        functions[key] = torch.compile(step, fullgraph=True, options=options)
     return functions[key]
 
 
