@@ -266,6 +266,11 @@ def _fallback_cases() -> list[tuple[str, dict[str, Any], str]]:
     return [
         ("t5", {"logits_processor": LogitsProcessorList([_Custom()])}, "logits_processor"),
         (
+            "llama",
+            {"logits_processor": LogitsProcessorList([_Custom()]), "do_sample": True, "top_k": 0},
+            "logits_processor",
+        ),
+        (
             "t5",
             {"stopping_criteria": StoppingCriteriaList([_Never()]), "num_beams": 2},
             "stopping_criteria (a _Never) with beam search",
@@ -293,15 +298,19 @@ def test_unsupported_features_fall_back_with_one_warning_or_raise(
         inputs["attention_mask"][0, -3:] = 0
     if name == "whisper":
         setattr(built.model.generation_config, "no_timestamps_token_id", 262)  # noqa: B010 - a Whisper field, not a stubbed one
+    torch.manual_seed(7)  # a fallback samples as transformers does, from torch's global generator
     with caplog.at_level(logging.WARNING, logger="cachelife"):
         got = cachelife.generate(built.model, compile_step=False, **inputs, max_new_tokens=6, **settings)
     warnings = [r for r in caplog.records if r.name.startswith("cachelife") and r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert feature in warnings[0].getMessage()
-    if isinstance(got, torch.Tensor) and not settings.get("do_sample"):
-        assert torch.equal(got, zoo.generate_tokens(built.model, inputs, max_new_tokens=6, **settings))
-    else:
-        assert not isinstance(got, torch.Tensor) or settings.get("do_sample")
+    torch.manual_seed(7)
+    expected = built.model.generate(**inputs, max_new_tokens=6, **settings)
+    assert type(got) is type(expected)
+    tokens = got if isinstance(got, torch.Tensor) else got["sequences"]
+    assert torch.equal(tokens, expected if isinstance(expected, torch.Tensor) else expected["sequences"])
+    if settings.get("do_sample"):  # it sampled: greedy decoding gives other tokens
+        assert not torch.equal(tokens, zoo.generate_tokens(built.model, inputs, max_new_tokens=6))
     with pytest.raises(UnsupportedGenerationError, match=feature.replace("(", r"\(").replace(")", r"\)")):
         cachelife.generate(built.model, compile_step=False, fallback=False, **inputs, max_new_tokens=6, **settings)
 

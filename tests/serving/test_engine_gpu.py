@@ -1,6 +1,6 @@
 """GPU tests (marker `gpu`) of cachelife.Engine under cachelife's CUDA graphs (fp32): concurrent requests of
-mixed lengths, greedy and seeded sampling, each equal to its own `cachelife.generate` call, at 1 and 3 steps
-per graph replay; beam requests as groups of rows."""
+mixed lengths, greedy and seeded sampling, each equal to its own `cachelife.generate` call and, greedy or with
+beams, to `model.generate`'s, at 1 and 3 steps per graph replay; beam requests as groups of rows."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def test_concurrent_requests_under_graphs_equal_their_own_generate(
         )
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(result, expected), index
+        if not request.get("do_sample"):  # transformers samples from torch's global generator
+            assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 3])
@@ -68,3 +70,4 @@ def test_beam_requests_under_graphs_equal_their_own_generate(
         expected = cachelife.generate(built.model, fallback=False, steps_per_call=steps_per_call, **request)
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(result, expected), index
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
