@@ -6,7 +6,8 @@
   in Triton's CPU interpreter (`TRITON_INTERPRET=1`), in the same pytest run; then mypy --strict and the
   documentation site (warnings as errors), which `typecheck` and `docs` run alone. Two pytest-xdist workers
   (`CACHELIFE_TEST_WORKERS`), each on one thread (`OMP_NUM_THREADS=1`) and compiling in its own process
-  (`TORCHINDUCTOR_COMPILE_THREADS=1`);
+  (`TORCHINDUCTOR_COMPILE_THREADS=1`); and the planted-bug runs (`planted`, quick): the kernel tests against
+  copies of the source with one bug each;
 - `lint`: ruff.
 
 `nox -s slow` runs the slow tests alone, every family; `nox -s full` runs the whole CPU suite on both
@@ -96,8 +97,24 @@ def tests(session: nox.Session, transformers: str) -> None:
     session.install(TRITON)
     pytest(session, CI, env={"TRITON_INTERPRET": "1"})
     if not session.posargs:
+        planted_bugs(session)
         mypy(session)
         sphinx(session)
+
+
+def planted_bugs(session: nox.Session) -> None:
+    """The kernel tests against copies of the source with one planted bug each, in Triton's interpreter
+    (bench/planted_bugs.py, without the slow tests): every bug must fail a test, the unchanged copy none."""
+    out = session.create_tmp()
+    session.run("python", "-m", "bench.planted_bugs", "--device", "cpu", "--quick", "--out", out)
+
+
+@nox.session(default=False)
+def planted(session: nox.Session) -> None:
+    """The planted-bug runs alone, every kernel test (slow ones too); writes bench/results/planted-bugs-cpu-*.json."""
+    install(session)
+    session.install(TRITON)
+    session.run("python", "-m", "bench.planted_bugs", "--device", "cpu", *session.posargs)
 
 
 @nox.session(default=False)
