@@ -2,7 +2,8 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,engine_eager_prefill,sequential,auto,generate_batch] [--num-beams 1] [--ttft]
+                           [--paths engine,engine_eager_prefill,engine_cudnn,sequential,auto,generate_batch]
+                           [--num-beams 1] [--ttft] [--verdicts 8]
                            [--switch-interval SECONDS] [--out DIR]
 
 `--requests` requests with mixed lengths (new tokens spread over `--new-tokens`, exactly that many each:
@@ -17,6 +18,8 @@ random features) are served, per path:
 - `engine_eager_prefill`: `engine` with every newcomer prefilled by transformers' eager prefill (a
   decoder-only model's engine compiles its prefill otherwise); the engine paths run in the order given, and
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
+- `engine_cudnn`: `engine` with its steps allowed torch's cuDNN attention (as before they kept to attention that
+  repeats exactly: the cost of repeatable attention);
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
 A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that
 nothing done the first time (compilation, captures, a prompt length that transformers' eager prefill has not
@@ -25,7 +28,9 @@ request's latency (submit to result: p50, p99, max), a lone request's latency (`
 the engine the steps and joins of that run and the scheduler's seconds spent admitting newcomers and running
 steps, with `--ttft` each path's time to first token (submit to the streamer's first new token: every timed
 request gets a streamer; not with beams, which transformers does not stream), with `--num-beams` every
-request a beam search (a group of that many rows in the engine), and how many requests' tokens equal
+request a beam search (a group of that many rows in the engine), whether each engine run gave every request
+the tokens of its warm-up (identical submissions, identical tokens), for a decoder-only model the verdict against
+transformers on the first `--verdicts` requests' warm-up tokens (bench.verdict), and how many requests' tokens equal
 `sequential`'s (in bf16 a batch's matrix
 products may round otherwise than one row's, so near ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
@@ -52,7 +57,8 @@ import cachelife
 from bench.decode import auto_compile
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
-from bench.timing import as_tokens, synchronize
+from bench.timing import as_tokens, cudnn_attention_allowed, synchronize
+from bench.verdict import judge
 from cachelife.serving.engine import Engine
 from cachelife.serving.prefill import Prefill
 from cachelife.tools import zoo
@@ -213,20 +219,38 @@ def engine_runs(
     if args.profile_scheduler:
         profile_scheduler(args.profile_scheduler)
     with cachelife.Engine(model, **options) as engine:
-        with_engine(engine, requests, args.rows)  # warm-up: compile, capture, every prompt shape once
+        # Warm-up: compile, capture, every prompt shape once. Its tokens are what every later run must repeat.
+        _, _, first, _ = with_engine(engine, requests, args.rows)
+        verdicts = judged(model, requests, first, args.verdicts)
         for clients in (int(c) for c in args.clients.split(",")):
             before = engine.stats()
             wall, latencies, outputs, firsts = with_engine(engine, requests, clients, ttft=args.ttft)
             after = engine.stats()
             same = [reference is not None and torch.equal(got, want)
                     for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
+            repeated = all(torch.equal(got, want) for got, want in zip(outputs, first, strict=True))
             out.add({**summary(f"{label}_c{clients}", wall, latencies, new, firsts), "clients": clients,
+                     "same_tokens_as_warm_up": repeated, **verdicts,
                      "equal_to_sequential": all(same), "requests_equal": sum(same),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
                      "scheduler_prefill_s": round(after.prefill_seconds - before.prefill_seconds, 4),
                      "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4),
                      "scheduler_collect_s": round(after.collect_seconds - before.collect_seconds, 4)})  # fmt: skip
+
+
+def judged(model: PreTrainedModel, requests: list[Request], outputs: list[torch.Tensor], count: int) -> Request:
+    """The verdict against transformers (bench.verdict, tokens only: the engine returns no logits) on the first
+    `count` greedy requests of a decoder-only model; nothing otherwise (Whisper's processors suppress tokens)."""
+    if model.config.is_encoder_decoder or count == 0 or any(r.get("num_beams", 1) > 1 for r in requests):
+        return {}
+    verdicts = [judge(model, request, output, int(request["input_ids"].shape[1]))
+                for request, output in zip(requests[:count], outputs[:count], strict=True)]  # fmt: skip
+    return {
+        "verdict_requests": len(verdicts),
+        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in verdicts),
+        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in verdicts),
+    }
 
 
 def generate_batch_run(model: PreTrainedModel, requests: list[Request], longest: int, device: torch.device) -> Request:
@@ -248,6 +272,14 @@ def generate_batch_run(model: PreTrainedModel, requests: list[Request], longest:
             "note": f"every request {longest} new tokens (one generation config for the batch)"}  # fmt: skip
 
 
+def file_stem(args: Any) -> str:
+    """The results file's name before its device, date and version: the model and what sets this run apart."""
+    stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
+    stem += "-ttft" if args.ttft else ""
+    stem += f"-beams{args.num_beams}" if args.num_beams > 1 else ""
+    return stem + (f"-switch{1000 * args.switch_interval:g}ms" if args.switch_interval is not None else "")
+
+
 def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--model", default="whisper-large-v3", choices=sorted({*MODEL_NAMES, *zoo.MODEL_NAMES}))
@@ -257,6 +289,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--new-tokens", default="16,64")
     parser.add_argument("--paths", default="engine,sequential")
+    parser.add_argument(
+        "--verdicts", type=int, default=8, help="requests judged against transformers (bench.verdict), decoder-only"
+    )
     parser.add_argument("--steps-per-call", type=int, default=1, help="for the engine and sequential paths")
     parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams per request")
     parser.add_argument(
@@ -286,11 +321,7 @@ def main() -> int:
         parser.error("--num-beams: transformers streams no beam search and its generate_batch runs none")
     requests = requests_for(model, args.requests, (shortest, longest), beams=args.num_beams)
     new = sum(int(request["max_new_tokens"]) for request in requests)
-    stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
-    stem += "-ttft" if args.ttft else ""
-    stem += f"-beams{args.num_beams}" if args.num_beams > 1 else ""
-    stem += f"-switch{1000 * args.switch_interval:g}ms" if args.switch_interval is not None else ""
-    out = results_file(args.out, stem, device, "bench.engine", {
+    out = results_file(args.out, file_stem(args), device, "bench.engine", {
         "model": args.model, "dtype": args.dtype, "requests": args.requests, "rows": args.rows,
         "steps_per_call": args.steps_per_call, "num_beams": args.num_beams,
         "switch_interval_s": sys.getswitchinterval(),
@@ -308,9 +339,11 @@ def main() -> int:
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
-        if path in ("engine", "engine_eager_prefill"):
+        if path in ("engine", "engine_eager_prefill", "engine_cudnn"):
             label = path if path not in paths[:index] else f"{path}_again"
-            with eager_prefills() if path == "engine_eager_prefill" else contextlib.nullcontext():
+            instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed}
+            cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)
+            with instrument.get(path, contextlib.nullcontext)():
                 engine_runs(out, model, requests, args, reference=reference, new=new, label=label)
     if "auto" in paths:
         auto = auto_compile(device)

@@ -1,8 +1,8 @@
 """`cachelife.generate` against transformers' paths on real checkpoints' shapes and generation configs.
 
-    python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base]
-                             [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0]
-                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife]
+    python -m bench.generate [--device auto] [--models whisper-large-v3,bart-large-cnn,t5-base,llama-3.2-1b]
+                             [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0] [--input-length 64]
+                             [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife,cachelife_cudnn]
                              [--cuda-graphs cachelife,torch] [--trees-steps-per-call 1]
                              [--repeats 3] [--tiny] [--out DIR] [--tag NAME]
 
@@ -16,11 +16,17 @@ tokens (`min_new_tokens = max_new_tokens = N`):
   inductor's `emulate_precision_casts`, as in cachelife.generate's step) and `cachelife.enable`;
 - `cachelife`: `cachelife.generate`, once per `--steps-per-call` value and `--cuda-graphs` value
   (`cachelife_spcN`: cachelife's own CUDA graphs; `cachelife_trees_spcN`: torch's cudagraph trees, only at
-  the `--trees-steps-per-call` values, since each compiles an N-step function).
+  the `--trees-steps-per-call` values, since each compiles an N-step function);
+- `cachelife_cudnn`: `cachelife.generate` at one step per graph on its own model, its steps allowed torch's cuDNN
+  attention (as before they kept to attention that repeats exactly: the cost of repeatable attention).
+`llama-3.2-1b` is bench.padded's Llama-3.2-1B shape: at batch 1 one prompt of `--input-length` tokens, at larger
+batches prompts spread from 20 tokens to `--input-length`, left-padded.
 Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
 `--repeats`), first-call seconds (compilation included), GPU kernel ms per step (torch.profiler, CUDA only,
 measured the same marginal way), whether the tokens equal the reference (float32: eager `generate`; other
-dtypes: `generate` with the compiled forward, as compiled rounding differs from eager), and CUDA-graph skips,
+dtypes: `generate` with the compiled forward, as compiled rounding differs from eager), whether repeated calls
+gave the same tokens, for every greedy `cachelife` path a verdict against transformers (bench.verdict: one more
+call with its logits, teacher-forced against a float32 copy), and CUDA-graph skips,
 unexpected re-records and new dynamo graphs after the first calls, and graphs cachelife captured (all of
 them, and after the first calls). `--tiny` swaps in the zoo's tiny models
 with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag>]-<device>-<date>-tf<version>.json`.
@@ -29,6 +35,8 @@ with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import functools
 import itertools
 import json
@@ -37,20 +45,49 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 import cachelife
 from bench.decode import auto_compile
+from bench.padded import build_model, padded_prompts, spread_lengths
 from bench.results_file import bench_parser, results_file
-from bench.timing import as_tokens, kernels_per_step, timed
+from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, timed
+from bench.verdict import judge
 from cachelife.generation.steps import CudaGraphs
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
+LLAMAS = ("llama-3.2-1b",)
+
+
+def prompt_lengths(batch: int, longest: int) -> list[int]:
+    """One prompt of `longest` tokens, or `batch` prompts spread from 20 tokens to `longest`."""
+    return [longest] if batch == 1 else spread_lengths(batch, 20, longest)
+
+
 Run = Callable[[int], torch.Tensor]
 
 
+_BUILT: dict[tuple[str, bool, torch.device, torch.dtype], zoo.ZooModel] = {}
+
+
 def build(name: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> zoo.ZooModel:
+    """The named model, built once per process (random weights take long on a host for the large shapes) and
+    copied for every later caller: each path gets its own instance of the same weights."""
+    key = (name, tiny, device, dtype)
+    if key not in _BUILT:
+        _BUILT[key] = built_afresh(name, tiny, device, dtype)
+    model = copy.deepcopy(_BUILT[key].model)
+    if name in LLAMAS:
+        return zoo.ZooModel(model, lambda batch, longest, seed: padded_prompts(model, prompt_lengths(batch, longest)))
+    return zoo.ZooModel(model, _BUILT[key].inputs)
+
+
+def built_afresh(name: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> zoo.ZooModel:
+    if name in LLAMAS:  # bench.padded's shapes, with its left-padded prompts of spread lengths
+        model = build_model("tiny" if tiny else name, device, dtype)
+        return zoo.ZooModel(model, lambda batch, longest, seed: padded_prompts(model, prompt_lengths(batch, longest)))
     built = zoo.build(TINY[name] if tiny else name, device=device, dtype=dtype)
     config = built.model.generation_config
     if tiny and name == "whisper-large-v3":
@@ -69,21 +106,22 @@ def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
     return settings
 
 
-def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: int) -> float:
-    first = min(timed(device, lambda: run(short))[0] for _ in range(repeats))
-    second = min(timed(device, lambda: run(long))[0] for _ in range(repeats))
-    return 1000 * (second - first) / (long - short)
-
-
-def kernel_ms(device: torch.device, run: Run, short: int, long: int) -> float | None:
-    measured = kernels_per_step(device, run, short, long)
-    return None if measured is None else measured[0]
+def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: int) -> tuple[float, bool]:
+    """Milliseconds per step (best of `repeats` calls at each length), and whether every call of a length gave
+    the same tokens."""
+    calls = {
+        tokens: [timed(device, functools.partial(run, tokens)) for _ in range(repeats)] for tokens in (short, long)
+    }
+    best = {tokens: min(seconds for seconds, _ in done) for tokens, done in calls.items()}
+    same = all(torch.equal(out, done[0][1]) for done in calls.values() for _, out in done)
+    return 1000 * (best[long] - best[short]) / (long - short), same
 
 
 def paths(
     name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch: int
-) -> dict[str, tuple[Run, str]]:
-    """Each path's run(tokens) on its own model instance (same seed, same weights), by path name."""
+) -> tuple[dict[str, tuple[Run, str]], zoo.Inputs]:
+    """Each path's run(tokens) on its own model instance (same seed, same weights), by path name, and the inputs
+    every path decodes."""
     inputs = build(name, args.tiny, device, dtype).inputs(batch, args.input_length, 1)
     wanted = args.paths.split(",")
     runs: dict[str, tuple[Run, str]] = {}
@@ -123,7 +161,16 @@ def paths(
 
             label = f"cachelife_spc{steps}" if graphs == "cachelife" else f"cachelife_trees_spc{steps}"
             runs[label] = (run, "cachelife")
-    return runs
+    if "cachelife_cudnn" in wanted:
+        cudnn = _MODELS["cachelife_cudnn"] = cachelife.enable(build(name, args.tiny, device, dtype).model)
+
+        def allowing_cudnn(n: int) -> torch.Tensor:
+            with cudnn_attention_allowed():
+                out = cachelife.generate(cudnn, fallback=False, **inputs, **settings_for(name, args.beams, n))
+            return as_tokens(out)
+
+        runs["cachelife_cudnn"] = (allowing_cudnn, "cachelife_cudnn")
+    return runs, inputs
 
 
 _MODES: dict[str, CudaGraphs] = {"cachelife": "cachelife", "torch": "torch"}
@@ -138,7 +185,7 @@ def graph_modes(text: str) -> list[CudaGraphs]:
     return [_MODES[value] for value in text.split(",")]
 
 
-_MODELS: dict[str, object] = {}
+_MODELS: dict[str, PreTrainedModel] = {}
 
 
 def _captures(model_kind: str) -> int:
@@ -153,20 +200,24 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
     short, long = (int(value) for value in args.tokens.split(","))
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, torch.Tensor] = {}
-    for path, (run, model_kind) in paths(name, args, device, dtype, batch).items():
+    runs, inputs = paths(name, args, device, dtype, batch)
+    for path, (run, model_kind) in runs.items():
         start = CudaGraphHealth.now()
         first_s, outputs[path] = timed(device, functools.partial(run, long))
         run(short)  # a different max_length may be a different compiled shape: compile it before timing
         after_first = CudaGraphHealth.now()
         captured = _captures(model_kind)
-        ms = marginal_ms(device, run, short, long, args.repeats)
-        kernel = kernel_ms(device, run, short, long)
+        ms, repeats_same = marginal_ms(device, run, short, long, args.repeats)
+        timeline = kernel_timeline(device, run, short, long)
+        kernel = None if timeline is None else timeline["kernel_ms_per_step"]
         end = CudaGraphHealth.now()
         results[path] = {
             "first_call_s": round(first_s, 3),
             "ms_per_step": round(ms, 4),
-            "kernel_ms_per_step": None if kernel is None else round(kernel, 4),
+            "repeat_calls_same_tokens": repeats_same and torch.equal(run(long), outputs[path]),
+            "kernel_ms_per_step": kernel,
             "wall_over_kernel": None if not kernel else round(ms / kernel, 3),
+            "timeline": timeline,
             "cudagraph_skips": end.cudagraph_skips - start.cudagraph_skips,
             "rerecords_after_first_calls": end.rerecords - after_first.rerecords,
             "new_graphs_after_first_calls": end.graphs - after_first.graphs,
@@ -179,7 +230,34 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
     for path, tokens in outputs.items():
         same = reference is not None and tokens.shape == reference.shape and torch.equal(tokens, reference)
         results[path]["tokens_equal_reference"] = same if reference is not None else None
+    for path in [path for path in results if path.startswith("cachelife")]:
+        results[path]["verdict"] = verdict(name, args, path, inputs=inputs, tokens=long, timed_out=outputs[path])
     return {"model": name, "batch": batch, "reference": reference_path, "paths": results}
+
+
+def verdict(
+    name: str, args: argparse.Namespace, path: str, *, inputs: zoo.Inputs, tokens: int, timed_out: torch.Tensor
+) -> dict[str, Any] | None:
+    """The path's greedy call of `tokens` new tokens once more with its logits, judged against transformers
+    (bench.verdict; raw logits decide the tokens unless the config suppresses some), and whether its tokens are
+    the timed call's. None for beam search, which teacher forcing does not judge."""
+    model = _MODELS["cachelife_cudnn" if path == "cachelife_cudnn" else "cachelife"]
+    config = model.generation_config
+    if args.beams > 1 or (not args.beams and (config.num_beams or 1) > 1):
+        return None
+    graphs: CudaGraphs = "torch" if path.startswith("cachelife_trees") else "cachelife"
+    steps = int(path.rsplit("spc", 1)[1]) if "_spc" in path else 1
+    with cudnn_attention_allowed() if path == "cachelife_cudnn" else contextlib.nullcontext():
+        out: Any = cachelife.generate(
+            model, fallback=False, steps_per_call=steps, cuda_graphs=graphs, return_dict_in_generate=True,
+            output_logits=True, **inputs, **settings_for(name, args.beams, tokens),
+        )  # fmt: skip
+    sequences, logits = out["sequences"], torch.stack(out["logits"], dim=1)
+    suppresses = bool(config.suppress_tokens or config.begin_suppress_tokens)
+    judged = judge(model, inputs, sequences, sequences.shape[1] - tokens, logits=logits, raw_greedy=not suppresses)
+    # Whisper's token tensor leaves out the decoder prompt that its output's sequences hold: the new tokens compare.
+    same = torch.equal(sequences[:, -tokens:], timed_out[:, -tokens:])
+    return {**judged, "tokens_equal_timed_call": bool(same)}
 
 
 def main() -> int:

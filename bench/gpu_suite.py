@@ -46,10 +46,13 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python3 bench/gpu_suite.py`: its own folder is on the path, not the root
-    sys.path.insert(0, str(ROOT))
+# Run as `python3 bench/gpu_suite.py`, its own folder is on the path: the root (bench) and src (cachelife) are not.
+for _entry in (ROOT / "src", ROOT):
+    if str(_entry) not in sys.path:
+        sys.path.insert(0, str(_entry))
 
 from bench.registry import BENCHMARKS  # noqa: E402 - importable once the repository root is on the path
+from bench.results_file import source_state  # noqa: E402 - as above
 
 
 def versions(work: Path) -> dict[str, str]:
@@ -125,7 +128,15 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
 # as separate pytest processes: a process lost in one group (GPU runs 26 and 29 lost a worker, and pytest-xdist
 # then stopped the whole run: a test's warning filter pytest could not parse) leaves the others' outcomes.
 GPU_TESTS = (
-    ("main", ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/serving")),
+    (
+        "main",
+        (
+            "tests/test_gpu.py",
+            "tests/generation/test_gpu_workloads.py",
+            "tests/generation/test_repeatable.py",
+            "tests/serving",
+        ),
+    ),
     ("kernels", ("tests/kernels",)),
 )
 
@@ -482,6 +493,8 @@ def main() -> int:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "tracks": tracks,
+        **source_state(),
+        "command": " ".join(sys.orig_argv),
         "stage_seconds": {},
     }
     lock = threading.Lock()

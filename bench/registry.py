@@ -354,7 +354,50 @@ _ENTRIES = (
         "eager,auto,forward,cachelife adds the eager loop and the compiled-forward reference)",
         "cuda", "longform-whisper-large-v3-cuda-*.json",
     ),
+    Benchmark(
+        "planted-bugs-cuda", "bench.planted_bugs", ("--device", "cuda", "--workers", "3", "--select",
+                                                    "not compiled_step_captures"),
+        "the kernels' and the repeatability's GPU tests against copies of the source with one planted bug each "
+        "(all but the fp32 compiled-step captures, which the GPU suite runs): every bug fails a test meant to "
+        "catch it, the unchanged copy none",
+        "cuda", "planted-bugs-cuda-*.json",
+    ),
+    # Attention that repeats exactly (cachelife.generation.repeatable): its cost against cuDNN's attention, with
+    # transformers' auto-compile beside it and each figure's verdict against transformers (bench.verdict).
+    Benchmark(
+        "repeatable-whisper", "bench.generate",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
+         "16,56", "--steps-per-call", "1", "--paths", "auto,cachelife,cachelife_cudnn", "--cuda-graphs", "cachelife",
+         "--repeats", "3", "--tag", "repeatable"),
+        "cachelife.generate with repeatable attention (the default) against its steps allowed cuDNN's attention and "
+        "transformers' auto-compile, whisper-large-v3 shape with its generation config, greedy, bf16, batch 1",
+        "cuda", "generate-repeatable-whisper-*cuda*.json",
+    ),
+    Benchmark(
+        "repeatable-llama", "bench.generate",
+        ("--device", "cuda", "--models", "llama-3.2-1b", "--batches", "1,8", "--input-length", "128", "--dtype",
+         "bfloat16", "--tokens", "16,64", "--steps-per-call", "1", "--paths", "auto,cachelife,cachelife_cudnn",
+         "--cuda-graphs", "cachelife", "--repeats", "3", "--tag", "repeatable-llama"),
+        "the repeatable-whisper comparison on the Llama-3.2-1B shape: one prompt of 128 tokens, and 8 left-padded "
+        "prompts of 20-128 tokens",
+        "cuda", "generate-repeatable-llama-*cuda*.json",
+    ),
+    Benchmark(
+        "repeatable-engine-llama", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16", "--requests", "64",
+         "--rows", "16", "--new-tokens", "64,128", "--paths", "engine,engine_cudnn"),
+        "cachelife.Engine (16 rows, 16 clients) with repeatable attention against cuDNN's, Llama-3.2-1B shape, bf16, "
+        "64 requests of 16-128 prompt and 64-128 new tokens: throughput, identical tokens on repeated submissions, "
+        "and the verdict against transformers",
+        "cuda", "engine-llama-3.2-1b-cuda-*.json",
+    ),
     # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
+    Benchmark(
+        "planted-bugs-cpu", "bench.planted_bugs", ("--device", "cpu"),
+        "the kernel tests in Triton's interpreter against copies of the source with one planted bug each (what "
+        "`nox -s planted` runs; CI runs it with --quick)",
+        "cpu", "planted-bugs-cpu-*.json",
+    ),
     Benchmark(
         "engine-beams-cpu", "bench.engine",
         ("--device", "cpu", "--model", "llama-small", "--dtype", "float32", "--clients", "1,4", "--requests", "8",

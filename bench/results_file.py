@@ -33,7 +33,9 @@ def source_state() -> dict[str, object]:
     CACHELIFE_COMMIT and CACHELIFE_DIRTY where set (a machine that got a copy of the tree, whose git, if any, is
     not the tree's), else git."""
     if "CACHELIFE_COMMIT" in os.environ:
-        return {"commit": os.environ["CACHELIFE_COMMIT"], "dirty": os.environ.get("CACHELIFE_DIRTY", "unknown")}
+        stated = os.environ.get("CACHELIFE_DIRTY", "unknown").lower()
+        dirty: bool | str = {"0": False, "false": False, "1": True, "true": True}.get(stated, "unknown")
+        return {"commit": os.environ["CACHELIFE_COMMIT"], "dirty": dirty}
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10

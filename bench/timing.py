@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
+
+from cachelife.generation import repeatable
 
 
 def synchronize(device: torch.device) -> None:
@@ -63,6 +68,37 @@ def kernels_per_step(
     return (totals[long][0] - totals[short][0]) / steps, (totals[long][1] - totals[short][1]) / steps
 
 
+def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int, long: int) -> dict[str, float] | None:
+    """Per decoding step, the marginal way (as `kernels_per_step`): the GPU kernels' summed milliseconds, the
+    milliseconds at least one kernel ran (`busy_ms`: their union, which overlapping kernels keep below the sum),
+    the milliseconds from the first kernel's start to the last one's end (`span_ms`: busy time and the gaps
+    between kernels), and the kernels launched. None off CUDA. The profiled runs are not the timed ones: the
+    profiler's own host work can widen the gaps."""
+    if device.type != "cuda":
+        return None
+    totals: dict[int, tuple[float, float, float, int]] = {}
+    for tokens in (short, long):
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            run(tokens)
+            synchronize(device)
+        ranges = sorted(
+            (event.time_range.start, event.time_range.end)
+            for event in trace.events()
+            if event.device_type.name == "CUDA" and event.time_range.end > event.time_range.start
+        )
+        busy, reached = 0.0, -math.inf
+        for start, end in ranges:
+            busy += max(0.0, end - max(start, reached))
+            reached = max(reached, end)
+        summed = sum(end - start for start, end in ranges)
+        span = ranges[-1][1] - ranges[0][0] if ranges else 0.0
+        totals[tokens] = (summed / 1000, busy / 1000, span / 1000, len(ranges))
+    steps = long - short
+    per_step = [(totals[long][i] - totals[short][i]) / steps for i in range(4)]
+    names = ("kernel_ms_per_step", "busy_ms_per_step", "span_ms_per_step", "kernels_per_step")
+    return {name: round(value, 4) for name, value in zip(names, per_step, strict=True)}
+
+
 def marginal_runs(generate: Callable[[int], tuple[float, bool]], short: int, long: int, repeats: int) -> dict[str, Any]:
     """`repeats` alternating calls of `short` and `long` new tokens (`generate(tokens)` returns seconds and
     whether the tokens were right): every call's seconds, the marginal ms per step (best long - best short,
@@ -80,3 +116,16 @@ def marginal_runs(generate: Callable[[int], tuple[float, bool]], short: int, lon
         "all_equal": all(right),
         "calls": len(right),
     }
+
+
+@contextlib.contextmanager
+def cudnn_attention_allowed() -> Iterator[None]:
+    """Steps compiled within may choose torch's cuDNN attention, as cachelife's steps did before they kept to
+    `cachelife.generation.repeatable.REPEATABLE_ATTENTION`: a benchmark's instrument, for the side-by-side cost
+    of repeatable attention."""
+    kept = repeatable.REPEATABLE_ATTENTION
+    repeatable.REPEATABLE_ATTENTION = (*kept, SDPBackend.CUDNN_ATTENTION)
+    try:
+        yield
+    finally:
+        repeatable.REPEATABLE_ATTENTION = kept
