@@ -128,16 +128,9 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
 # as separate pytest processes: a process lost in one group (GPU runs 26 and 29 lost a worker, and pytest-xdist
 # then stopped the whole run: a test's warning filter pytest could not parse) leaves the others' outcomes.
 GPU_TESTS = (
-    (
-        "main",
-        (
-            "tests/test_gpu.py",
-            "tests/generation/test_gpu_workloads.py",
-            "tests/generation/test_repeatable.py",
-            "tests/serving",
-        ),
-    ),
+    ("main", ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/serving")),
     ("kernels", ("tests/kernels",)),
+    ("repeatable", ("tests/generation/test_repeatable.py",)),
 )
 
 
