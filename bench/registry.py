@@ -355,8 +355,8 @@ _ENTRIES = (
         "cuda", "longform-whisper-large-v3-cuda-*.json",
     ),
     Benchmark(
-        "planted-bugs-cuda", "bench.planted_bugs", ("--device", "cuda", "--workers", "4", "--pytest-workers", "2", "--select",
-                                                    "not compiled_step_captures"),
+        "planted-bugs-cuda", "bench.planted_bugs",
+        ("--device", "cuda", "--workers", "4", "--pytest-workers", "2", "--select", "not compiled_step_captures"),
         "the kernels' and the repeatability's GPU tests against copies of the source with one planted bug each "
         "(all but the fp32 compiled-step captures, which the GPU suite runs): every bug fails a test meant to "
         "catch it, the unchanged copy none",
