@@ -461,19 +461,24 @@ def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: ar
     return stages[stage]()
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", default="tests,health,probe")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
     parser.add_argument("--tests-k", default="", help="the tests stage runs only the tests this -k expression picks")
     parser.add_argument("--test-groups", default="", help="the tests stage runs only these GPU_TESTS groups")
+    parser.add_argument("--versions", default="", help="only these of the transformers versions found (a, b, ...)")
     parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
     parser.add_argument("--health-parallel", type=int, default=10, help="health processes at a time")
     parser.add_argument(
         "--time-limit", type=float, help="seconds: benchmarks still running then are killed, later stages not run"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = arguments()
     args.deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -494,6 +499,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         found = versions(work)
+        if args.versions:
+            found = {version: path for version, path in found.items() if version in args.versions.split(",")}
         summary["transformers_versions"] = list(found)
 
         def write_summary() -> None:

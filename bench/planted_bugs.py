@@ -153,7 +153,9 @@ def run_file(source: Path, test_file: str, device: str, scratch: Path, extra: tu
     slug = f"{source.parent.name}-{''.join(c if c.isalnum() else '-' for c in test_file)}"
     junit = scratch / f"{slug}.xml"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(source), str(ROOT)]), PYTHONDONTWRITEBYTECODE="1")
+    # The copy first; then what the caller's path holds (the GPU suite's transformers release, say).
+    paths = [str(source), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONDONTWRITEBYTECODE="1")
     if device == "cpu":
         env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     imported = subprocess.run(
@@ -164,7 +166,8 @@ def run_file(source: Path, test_file: str, device: str, scratch: Path, extra: tu
         msg = f"the tests would import cachelife from {imported}, not from the planted copy {source}"
         raise SystemExit(msg)
     command = [
-        sys.executable, "-m", "pytest", "-q", "-m", MARKS[device], "-p", "no:cacheprovider", f"--junitxml={junit}",
+        sys.executable, "-m", "pytest", "-q", "-m", MARKS[device], "-p", "no:cacheprovider", "-p", "no:benchmark",
+        f"--junitxml={junit}",
         *extra, test_file,
     ]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -174,6 +177,8 @@ def run_file(source: Path, test_file: str, device: str, scratch: Path, extra: tu
         "passed": passed,
         "failed": failed,
         "errors": [line[:300] for line in done.stdout.splitlines() if line.startswith("E ")][:20],
+        # pytest's own failure (usage, collection, an internal error): its last words
+        "tail": [] if done.returncode in (0, 1) else (done.stdout + done.stderr).splitlines()[-12:],
     }
 
 

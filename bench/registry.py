@@ -375,11 +375,10 @@ _ENTRIES = (
     ),
     Benchmark(
         "repeatable-llama", "bench.generate",
-        ("--device", "cuda", "--models", "llama-3.2-1b", "--batches", "1,8", "--input-length", "128", "--dtype",
+        ("--device", "cuda", "--models", "llama-3.2-1b", "--batches", "1", "--input-length", "128", "--dtype",
          "bfloat16", "--tokens", "16,64", "--steps-per-call", "1", "--paths", "auto,cachelife,cachelife_cudnn",
          "--cuda-graphs", "cachelife", "--repeats", "3", "--tag", "repeatable-llama"),
-        "the repeatable-whisper comparison on the Llama-3.2-1B shape: one prompt of 128 tokens, and 8 left-padded "
-        "prompts of 20-128 tokens",
+        "the repeatable-whisper comparison on the Llama-3.2-1B shape, one prompt of 128 tokens",
         "cuda", "generate-repeatable-llama-*cuda*.json",
     ),
     Benchmark(

@@ -2,13 +2,15 @@
 
 On the CPU: the step's attention is chosen among `REPEATABLE_ATTENTION` (seen by narrowing it to the math
 backend, whose kernels then replace the CPU flash kernel in the compiled steps), the process's switches are
-left as they were, and identical calls give identical tokens and scores. On a GPU (`gpu`): four identical
+left as they were, eager steps' restriction of them holds across threads, and identical calls give identical
+tokens and scores. On a GPU (`gpu`): four identical
 calls, bf16, a left-padded batch, give identical tokens and scores on every path of `cachelife.generate` and
 identical tokens for every request of an `Engine`. The cause, torch's cuDNN attention, exists on CUDA alone.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,6 +115,34 @@ def test_the_process_attention_switches_are_left_as_they_were() -> None:
     assert switches() == before
     assert len(watch.seen) >= 4
     assert all(state == before for state in watch.seen)
+
+
+@pytest.mark.usefixtures("restored_switches")
+def test_eager_steps_restrict_the_switches_once_for_all_threads_and_give_them_back() -> None:
+    """Eager steps on CUDA run within `restricted_switches`: threads that enter and leave in any order see
+    cuDNN's attention off while any is within, and the user's switches (flash attention off here) come back
+    when the last one leaves."""
+    torch.backends.cuda.enable_flash_sdp(False)
+    before = switches()
+    inside: list[dict[str, bool]] = []
+    entered, release = threading.Barrier(3), threading.Event()
+
+    def step() -> None:
+        with repeatable.restricted_switches():
+            entered.wait()
+            release.wait()
+            inside.append(switches())
+
+    threads = [threading.Thread(target=step) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    entered.wait()
+    inside.append(switches())
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert inside == [{**before, "cudnn": False}] * 3  # flash stays off: the restriction keeps the user's choice
+    assert switches() == before
 
 
 def generate_output(model: PreTrainedModel, **settings: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

@@ -339,11 +339,11 @@ NEW = 6
 MODELS = {"llama": (2, False), "whisper": (4, True), "bart": (4, True), "t5": (4, True)}
 
 
-def greedy(model: PreTrainedModel, inputs: zoo.Inputs, new: int = NEW) -> Any:
+def greedy(model: PreTrainedModel, inputs: zoo.Inputs, new: int = NEW, **settings: Any) -> Any:
     """`generate`'s output with its tokens and each step's logits."""
     return model.generate(
         **inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
-        return_dict_in_generate=True, output_logits=True,
+        return_dict_in_generate=True, output_logits=True, **settings,
     )  # fmt: skip
 
 
@@ -448,11 +448,13 @@ def sharpened(name: str, device: str, dtype: torch.dtype) -> zoo.ZooModel:
 
 
 def forced_logits(model: PreTrainedModel, inputs: zoo.Inputs, tokens: torch.Tensor) -> torch.Tensor:
-    """(steps, batch, vocab) float32: the logits of each step of a static-cache decode fed `tokens`."""
+    """(steps, batch, vocab) float32: the logits of each step of an eager static-cache decode fed `tokens`
+    (transformers would compile it on CUDA otherwise)."""
     steps = tokens.shape[1]
     output: Any = model.generate(
         **inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, cache_implementation="static",
-        return_dict_in_generate=True, output_logits=True, logits_processor=LogitsProcessorList([Forced(tokens)]),
+        disable_compile=True, return_dict_in_generate=True, output_logits=True,
+        logits_processor=LogitsProcessorList([Forced(tokens)]),
     )  # fmt: skip
     assert torch.equal(output.sequences[:, -steps:].cpu(), tokens.cpu())  # the forcing held
     return torch.stack(output.logits).float()
@@ -468,7 +470,7 @@ def agreement(name: str, device: str, steps: int) -> tuple[float, float]:
     bf16 SDPA decodes greedily."""
     exact, rounded = sharpened(name, device, torch.float32), sharpened(name, device, torch.bfloat16)
     inputs = rounded.inputs(2, 12, 3)
-    tokens = greedy(rounded.model, inputs, steps).sequences[:, -steps:]
+    tokens = greedy(rounded.model, inputs, steps, disable_compile=True).sequences[:, -steps:]
     reference = forced_logits(exact.model, exact.inputs(2, 12, 3), tokens)
     sdpa = forced_logits(rounded.model, inputs, tokens)
     switch = use_decode_attention(rounded.model)

@@ -1,19 +1,28 @@
-"""The attention a compiled step may use: backends whose results repeat exactly on identical inputs.
+"""The attention a decoding step may use: backends whose results repeat exactly on identical inputs.
 
-torch chooses a backend for each `scaled_dot_product_attention` when a step is traced, among those its global
-switches enable (`torch.backends.cuda.enable_cudnn_sdp` and the others). On Hopper GPUs it prefers cuDNN's
-attention for bf16 and fp16, whose results vary between identical calls: identical `cachelife.generate` calls
-then decoded other tokens. A compiled step is therefore traced inside `torch.nn.attention.sdpa_kernel` with
-`REPEATABLE_ATTENTION`: dynamo records the choice in the step's graph, so it holds for every call of the
-compiled step, while the process's switches are the same before and after (they change only while a step is
-traced, under the first-calls lock). Eager steps and transformers' prefill keep the process's settings.
+torch chooses a backend for each `scaled_dot_product_attention` among those its process-wide switches enable
+(`torch.backends.cuda.enable_cudnn_sdp` and the others). On Hopper GPUs it prefers cuDNN's attention for bf16
+and fp16, whose results vary between identical calls: identical `cachelife.generate` calls then decoded other
+tokens. So cachelife's steps keep to `REPEATABLE_ATTENTION`:
+
+- a compiled step is traced inside `torch.nn.attention.sdpa_kernel(REPEATABLE_ATTENTION)`: dynamo records the
+  choice in the step's graph, so it holds for every call of the compiled step, and the switches change only
+  while a step is traced (under the first-calls lock);
+- an eager step on CUDA (`compile_step=False`) runs with the switches restricted (`restricted_switches`): one
+  restriction for the process, however many threads' steps run at once, lifted when the last one ends, so the
+  switches are the user's again between calls. Attention that another thread runs meanwhile is restricted too.
+
+Transformers' prefill keeps the process's switches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPEATABLE_ATTENTION: tuple[SDPBackend, ...] = (
@@ -21,7 +30,7 @@ REPEATABLE_ATTENTION: tuple[SDPBackend, ...] = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
-"""The backends a compiled step's attention chooses among: all of torch's but cuDNN's."""
+"""The backends a step's attention chooses among: all of torch's but cuDNN's."""
 
 
 def with_repeatable_attention(function: Callable[..., None]) -> Callable[..., None]:
@@ -29,6 +38,48 @@ def with_repeatable_attention(function: Callable[..., None]) -> Callable[..., No
 
     def run(**arguments: Any) -> None:
         with sdpa_kernel(list(REPEATABLE_ATTENTION)):
+            function(**arguments)
+
+    return run
+
+
+class _Restriction:
+    """The process's one restriction of the switches: how many eager steps hold it, and the switches it saved."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.saved: list[SDPBackend] = []
+
+
+_RESTRICTION = _Restriction()
+
+
+@contextlib.contextmanager
+def restricted_switches() -> Iterator[None]:
+    """The process's attention switches restricted to the enabled ones of `REPEATABLE_ATTENTION` (MATH if none
+    is) while any caller is within; the first caller in saves them, the last one out restores them."""
+    restriction = _RESTRICTION
+    with restriction.lock:
+        if restriction.holders == 0:
+            restriction.saved = torch.nn.attention._cur_sdpa_kernel_backends()
+            allowed = [backend for backend in REPEATABLE_ATTENTION if backend in restriction.saved]
+            torch.nn.attention._sdpa_kernel(allowed or [SDPBackend.MATH])
+        restriction.holders += 1
+    try:
+        yield
+    finally:
+        with restriction.lock:
+            restriction.holders -= 1
+            if restriction.holders == 0:
+                torch.nn.attention._sdpa_kernel(restriction.saved)
+
+
+def eager_with_repeatable_attention(function: Callable[..., None]) -> Callable[..., None]:
+    """`function`, run within `restricted_switches` (for a step that runs eagerly on CUDA)."""
+
+    def run(**arguments: Any) -> None:
+        with restricted_switches():
             function(**arguments)
 
     return run

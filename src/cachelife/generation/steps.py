@@ -24,7 +24,7 @@ from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
 from cachelife.generation.regions import own_code, specialization
-from cachelife.generation.repeatable import with_repeatable_attention
+from cachelife.generation.repeatable import eager_with_repeatable_attention, with_repeatable_attention
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
@@ -181,7 +181,7 @@ def stepper(
         )  # fmt: skip
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    step = function
+    step = eager_with_repeatable_attention(function) if device.type == "cuda" else function
     if settings.compile_step:
         kind = specialization(arguments(0, spc, read_only))
         step = compiled_step(model, name, function, mode, settings.compile_options, kind=kind)
