@@ -368,7 +368,7 @@ _ENTRIES = (
         "repeatable-whisper", "bench.generate",
         ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
          "16,56", "--steps-per-call", "1", "--paths", "auto,cachelife,cachelife_cudnn", "--cuda-graphs", "cachelife",
-         "--repeats", "3", "--tag", "repeatable"),
+         "--repeats", "3", "--tag", "repeatable-whisper"),
         "cachelife.generate with repeatable attention (the default) against its steps allowed cuDNN's attention and "
         "transformers' auto-compile, whisper-large-v3 shape with its generation config, greedy, bf16, batch 1",
         "cuda", "generate-repeatable-whisper-*cuda*.json",

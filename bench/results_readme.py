@@ -28,12 +28,15 @@ NOT_RECORDED = "not recorded"
 HEADER = """\
 # Benchmark and GPU results
 
-Every number README.md quotes comes from a file here; dates are UTC. The JSON files start with the same
-header (bench/results_file.py): the benchmark, the date, the device, the torch, transformers and cachelife
-versions and, since the header records them, the commit, whether the tree had uncommitted changes and the
-command line. `python -m bench run NAME` reruns a file's benchmark (`python -m bench list` names them all;
-`--out DIR` writes elsewhere), and the GPU suite runs the CUDA ones as stages
-(`python3 bench/gpu_suite.py --stages NAME,...`).
+Every number README.md and docs/ quote comes from a file here; dates are UTC. The JSON files start with the
+same header (bench/results_file.py): the benchmark, the date, the device, the torch, transformers and
+cachelife versions, the commit, whether the tree had uncommitted changes, and the command line. Each
+benchmark records its verdicts against transformers (bench/verdict.py: float32 tokens equal, or bf16 logits
+and tokens teacher-forced against a float32 copy of the model); the table's verdict column says whether all
+of a file's verdicts are true. `python -m bench run NAME` reruns a file's benchmark (`python -m bench list`
+names them all; `--out DIR` writes elsewhere), and the GPU suite runs the CUDA ones as stages
+(`python3 bench/gpu_suite.py --stages NAME,...`). Files from before the verdicts and the recorded commits are
+in `archive/` (with their hand-written notes, `archive/NOTES.md`); no document cites them.
 """
 
 GENERATED = """\
@@ -55,6 +58,7 @@ class Row:
     transformers: str = ""
     commit: str = ""
     command: str = ""
+    verdict: str = ""
 
 
 def natural(path: Path) -> list[str | int]:
@@ -102,6 +106,28 @@ def without_out(arguments: list[str]) -> list[str]:
     return kept
 
 
+def verdict_of(record: object) -> str:
+    """What the file says it equals: "true" if every verdict it holds (a key naming an equality, an agreement,
+    caught bugs or passing runs, with a true or false value) is true, "false (N of M)" if some are not, "none"
+    if it holds none."""
+    found: list[bool] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, bool) and any(word in key for word in ("equal", "agree", "caught", "pass")):
+                    found.append(value)
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(record)
+    if not found:
+        return "none"
+    return "true" if all(found) else f"false ({found.count(False)} of {len(found)})"
+
+
 def globbed_entry(name: str) -> Benchmark | None:
     """The entry whose `results` glob matches the file name; the most specific (longest) glob if several do."""
     matches = [entry for entry in BENCHMARKS.values() if fnmatch.fnmatchcase(name, entry.results)]
@@ -144,6 +170,7 @@ def json_row(path: Path, relative: str, record: dict[str, Any]) -> Row:
         transformers=transformers or NOT_RECORDED,
         commit=commit_of(record),
         command="none registered" if entry is None else " ".join(["python -m bench run", entry.name, *extra]),
+        verdict=verdict_of(record),
     )
 
 
@@ -168,13 +195,13 @@ def cell(text: str, code: bool = False) -> str:
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| file | benchmark | date | device | torch | transformers | commit | command |",
-        "|---|---|---|---|---|---|---|---|",
+        "| file | benchmark | date | device | torch | transformers | commit | verdict | command |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         command = cell(row.command, code=row.command.startswith("python"))
         cells = [cell(row.file, code=True), cell(row.benchmark), cell(row.date), cell(row.device), cell(row.torch),
-                 cell(row.transformers), cell(row.commit), command]  # fmt: skip
+                 cell(row.transformers), cell(row.commit), cell(row.verdict), command]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -272,10 +272,12 @@ def _test_outcomes(tests: Any) -> str:
 
 
 def files(results: Path) -> Iterator[Path]:
-    """Every JSON file under `results`, folder by folder, in name order with runs by number (run 9 before 10)."""
+    """Every JSON file under `results` but its archive (superseded files, which no page cites), folder by
+    folder, in name order with runs by number (run 9 before 10)."""
 
     def order(path: Path) -> tuple[int, list[str | int]]:
         name = path.relative_to(results).as_posix()
         return name.count("/"), [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
-    yield from sorted(results.rglob("*.json"), key=order)
+    current = (path for path in results.rglob("*.json") if "archive" not in path.relative_to(results).parts)
+    yield from sorted(current, key=order)

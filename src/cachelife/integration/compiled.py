@@ -74,7 +74,7 @@ OWNED_OPTIONS = {
 
 
 # The inductor options that cut the decode step's GPU kernel time on an H200 without changing its tokens
-# (README.md, "Faster kernels"): `cachelife.generate(model, compile_options=cachelife.FAST_KERNELS, ...)`.
+# (docs/generate.md): `cachelife.generate(model, compile_options=cachelife.FAST_KERNELS, ...)`.
 FAST_KERNELS: Mapping[str, bool] = MappingProxyType({"combo_kernels": True, "coordinate_descent_tuning": True})
 
 
