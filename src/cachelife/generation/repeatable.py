@@ -6,11 +6,12 @@ and fp16, whose results vary between identical calls: identical `cachelife.gener
 tokens. So cachelife's steps keep to `REPEATABLE_ATTENTION`:
 
 - a compiled step is traced inside `torch.nn.attention.sdpa_kernel(REPEATABLE_ATTENTION)`: dynamo records the
-  choice in the step's graph, so it holds for every call of the compiled step, and the switches change only
-  while a step is traced (under the first-calls lock);
-- an eager step on CUDA (`compile_step=False`) runs with the switches restricted (`restricted_switches`): one
-  restriction for the process, however many threads' steps run at once, lifted when the last one ends, so the
-  switches are the user's again between calls. Attention that another thread runs meanwhile is restricted too.
+  choice in the step's graph, so it holds for every call of the compiled step, replays of its CUDA graphs too;
+- every call of a step, eager or compiled, runs with the switches restricted (`restricted_switches`): an eager
+  step chooses its attention from them, and a compiled step's tracing changes them only inside the
+  restriction. It is one restriction for the process, however many threads' steps run at once, lifted when
+  the last one ends, so the switches are the user's again between steps. Attention that another thread runs
+  meanwhile is restricted too.
 
 Transformers' prefill keeps the process's switches.
 """
@@ -75,8 +76,8 @@ def restricted_switches() -> Iterator[None]:
                 torch.nn.attention._sdpa_kernel(restriction.saved)
 
 
-def eager_with_repeatable_attention(function: Callable[..., None]) -> Callable[..., None]:
-    """`function`, run within `restricted_switches` (for a step that runs eagerly on CUDA)."""
+def within_restricted_switches(function: Callable[..., None]) -> Callable[..., None]:
+    """`function`, run within `restricted_switches` (every call of a step)."""
 
     def run(**arguments: Any) -> None:
         with restricted_switches():

@@ -24,7 +24,7 @@ from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
 from cachelife.generation.regions import own_code, specialization
-from cachelife.generation.repeatable import eager_with_repeatable_attention, with_repeatable_attention
+from cachelife.generation.repeatable import with_repeatable_attention, within_restricted_switches
 from cachelife.generation.states import StateLeases
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
@@ -133,7 +133,7 @@ def compiled_step(
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
         options = mode_with(mode, {**extra, "emulate_precision_casts": True})
         step = own_code(with_repeatable_attention(function))
-        functions[key] = torch.compile(step, fullgraph=True, options=options)
+        functions[key] = within_restricted_switches(torch.compile(step, fullgraph=True, options=options))
     return functions[key]
 
 
@@ -181,7 +181,7 @@ def stepper(
         )  # fmt: skip
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    step = eager_with_repeatable_attention(function) if device.type == "cuda" else function
+    step = within_restricted_switches(function)
     if settings.compile_step:
         kind = specialization(arguments(0, spc, read_only))
         step = compiled_step(model, name, function, mode, settings.compile_options, kind=kind)
