@@ -17,8 +17,8 @@ timed benchmarks there) has a GPU of its own; each track's processes run on thei
 so that one track's compilations do not slow the host side of another's timings. Writes `gpu-summary.json`
 (outcomes, recipe reports and CUDA-graph counters per version; rewritten after every stage) and
 `gpu-logs.tar.gz` (every log) to --out (default: $OUT, else bench/results/gpu). `--time-limit SECONDS` ends the
-suite in time for a machine's per-command limit: a benchmark still running then is killed and its log kept,
-later stages are recorded as not run.
+suite in time for a machine's per-command limit: a pytest still running then is interrupted (its junit file
+keeps the tests that ended), a benchmark killed, their logs kept, and later stages are recorded as not run.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import datetime
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -135,14 +136,25 @@ GPU_TESTS = (
 
 
 def run_tests(
-    found: dict[str, str], work: Path, workers: int, select: str = "", groups: tuple[str, ...] = ()
+    found: dict[str, str],
+    work: Path,
+    workers: int,
+    select: str = "",
+    groups: tuple[str, ...] = (),
+    *,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """pytest -m gpu for every transformers version at once, one group of files after the other (only the
     `groups` named, if any, and the tests `select` picks with -k, if given); one log, junit file and recipe
-    file per version and group."""
+    file per version and group. At `deadline` a pytest still running is interrupted (its junit file keeps the
+    tests that ended) and later groups are recorded as not run."""
     results: dict[str, Any] = {version: {"pytest_returncode": {}, "tests": {}, "recipes": []} for version in found}
     for group, names in GPU_TESTS:
         if any(groups) and group not in groups:
+            continue
+        if deadline is not None and time.monotonic() >= deadline:
+            for result in results.values():
+                result["pytest_returncode"][group] = "not run: the suite's time limit had passed"
             continue
         files = [str(ROOT / name) for name in names if (ROOT / name).exists()]
         running = {}
@@ -155,14 +167,32 @@ def run_tests(
                 "-rA", f"--junitxml={junit}", *files,
             ]  # fmt: skip
             env = environment(path, CACHELIFE_GPU_RESULTS=str(work / f"recipes-{version}-{group}.jsonl"))
-            running[version] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            running[version] = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            )
         for version, process in running.items():
-            returncode = process.wait()
+            returncode = wait_until(process, deadline)
             result = results[version]
             result["pytest_returncode"][group] = returncode
             result["tests"].update(junit_outcomes(work / f"junit-{version}-{group}.xml"))
             result["recipes"].extend(recipe_summaries(work / f"recipes-{version}-{group}.jsonl"))
     return results
+
+
+def wait_until(process: subprocess.Popen[bytes], deadline: float | None) -> int | str:
+    """The pytest `process`'s exit status; past `deadline`, it is interrupted as Ctrl-C would (pytest then
+    writes its junit file with the tests that ended) and, if still running 30 s later, killed."""
+    try:
+        return process.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+            return "interrupted at the suite's time limit"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return "killed at the suite's time limit"
 
 
 def junit_outcomes(path: Path) -> dict[str, str]:
@@ -446,7 +476,12 @@ def tensor_parallel(found: dict[str, str], work: Path, out: Path) -> dict[str, A
 def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: argparse.Namespace) -> Any:
     stages: dict[str, Callable[[], Any]] = {
         "tests": lambda: run_tests(
-            found, work, args.workers, args.tests_k, tuple(filter(None, args.test_groups.split(",")))
+            found,
+            work,
+            args.workers,
+            args.tests_k,
+            tuple(filter(None, args.test_groups.split(","))),
+            deadline=args.deadline,
         ),
         "health": lambda: health(found, work, 5, args.health_parallel, args.health_cases.split(",")),
         "probe": lambda: probe_hand_pinned(found, work, processes=5),
@@ -472,7 +507,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--health-cases", default=",".join(HEALTH_CASES), help="model:compile-mode,...")
     parser.add_argument("--health-parallel", type=int, default=10, help="health processes at a time")
     parser.add_argument(
-        "--time-limit", type=float, help="seconds: benchmarks still running then are killed, later stages not run"
+        "--time-limit",
+        type=float,
+        help="seconds: tests and benchmarks still running then are interrupted, later stages not run",
     )
     return parser.parse_args()
 
