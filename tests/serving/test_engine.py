@@ -554,3 +554,39 @@ def test_a_prefill_that_does_not_compile_falls_back_to_the_eager_one_with_a_warn
     assert sum("failed to compile" in record.getMessage() for record in caplog.records) == 1
     for want, got in zip(expected, results, strict=True):
         assert torch.equal(got, want)
+
+
+def left_padded_requests(built: zoo.ZooModel) -> list[dict[str, Any]]:
+    """What a tokenizer with `padding=True` hands a client, one row each: prompts left-padded with their mask,
+    the same without the mask (`generate` infers it from the pad token), and unpadded prompts beside them; two
+    beam requests, one padded."""
+    requests: list[dict[str, Any]] = []
+    for index in range(6):
+        padded = zoo.left_padded(built.inputs(1, 5 + index, index), 1 + index % 4, pad_token_id=0)
+        if index % 2:
+            del padded["attention_mask"]
+        requests.append({**padded, "max_new_tokens": 4 + index})
+        requests.append({**built.inputs(1, 3 + index, 10 + index), "max_new_tokens": 3 + index})
+    requests[4].update(num_beams=2, max_new_tokens=12)
+    requests[5].update(num_beams=2)
+    return requests
+
+
+@pytest.mark.parametrize("compile_step", [False, True], ids=["eager-step", "compiled-step"])
+def test_left_padded_prompts_decode_as_generate_decodes_them(llama: zoo.ZooModel, compile_step: bool) -> None:
+    """Each row's positions count from its first token and its mask leaves its pads out, as `generate`'s
+    (before, positions counted from the row's start and the pads were attended: other tokens from the fourth
+    new one on)."""
+    model = llama.model
+    assert model.generation_config.pad_token_id == 0
+    requests = left_padded_requests(llama)
+    expected = [zoo.generate_tokens(model, request) for request in requests]
+    with Engine(model, rows=4, max_length=32, compile_step=compile_step) as engine:
+        greedy = [r for r in requests if "num_beams" not in r]
+        beams = [r for r in requests if "num_beams" in r]
+        results = {id(r): engine.submit(**r) for r in greedy}
+        results |= {id(r): engine.submit(**r) for r in beams}  # their own program, after the greedy ones
+        for request, want in zip(requests, expected, strict=True):
+            got = results[id(request)].result(timeout=300)
+            assert torch.equal(got, want), request
+            assert torch.equal(got, alone(model, **request))

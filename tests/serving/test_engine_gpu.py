@@ -71,3 +71,23 @@ def test_beam_requests_under_graphs_equal_their_own_generate(
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(result, expected), index
         assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_left_padded_requests_under_graphs_equal_generate(steps_per_call: int) -> None:
+    """Prompts left-padded with their mask, or without it (`generate` infers it), beside unpadded ones: each row
+    counts its positions from its first token and leaves its pads out, as `model.generate` does."""
+    built = zoo.build("llama-small", device="cuda")
+    requests: list[dict[str, Any]] = []
+    for index in range(8):
+        padded = zoo.left_padded(
+            built.inputs(1, 6 + 3 * index, index), 1 + (5 * index) % 7, pad_token_id=0
+        )  # the zoo's pad token
+        if index % 2:
+            del padded["attention_mask"]
+        requests.append({**padded, "max_new_tokens": 8 + (7 * index) % 17})
+        requests.append({**built.inputs(1, 3 + index, 20 + index), "max_new_tokens": 6 + index})
+    with Engine(built.model, rows=4, max_length=64, steps_per_call=steps_per_call) as engine:
+        results = [future.result(timeout=600) for future in [engine.submit(**request) for request in requests]]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index

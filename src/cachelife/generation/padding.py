@@ -60,6 +60,13 @@ def unsupported_padding(model: PreTrainedModel, mask: torch.Tensor) -> str | Non
     return None
 
 
+def left_padding(model: PreTrainedModel, model_kwargs: dict[str, object]) -> int:
+    """The pad tokens on the left of the first prompt `generate` prepared (its decoder prompt's, for an
+    encoder-decoder model): the zeros of the attention mask it was given or inferred, 0 without a mask."""
+    mask = model_kwargs.get((DECODER if model.config.is_encoder_decoder else DECODER_ONLY)[0])
+    return int((mask[0] == 0).sum()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else 0
+
+
 def padding_counts(mask: torch.Tensor) -> torch.Tensor:
     """Each row's left padding: the zeros of its mask."""
     return (mask == 0).sum(dim=-1).to(torch.long)

@@ -163,7 +163,7 @@ class Batch:
                 self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
                 if encoder.mask is not None:
                     self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
-            self.rows.start(row, joining.input_ids[:1], joining.max_length, start)
+            self.rows.start(row, joining.input_ids[:1], joining.max_length, start, joining.padding)
             for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
                 buffer[row] = value
         if isinstance(program, BeamProgram):
@@ -361,7 +361,7 @@ class Batch:
             seat.start += shift
             seat.end += shift
             for row in range(first, first + seat.size):
-                self.rows.attend_from(row, seat.start)
+                self.rows.attend_from(row, seat.start + seat.joining.padding)
 
 
 def _static(tensor: torch.Tensor) -> torch.Tensor:

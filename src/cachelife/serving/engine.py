@@ -37,6 +37,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError
 from cachelife.generation.api import check_generator, check_model
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
+from cachelife.generation.padding import left_padding
 from cachelife.generation.steps import CudaGraphs, LoopSettings
 from cachelife.serving.batch import Batch
 from cachelife.serving.requests import (
@@ -286,7 +287,7 @@ class Engine:
         streamer = request.kwargs.get("streamer")
         joining = Joining(
             request, input_ids, model_kwargs, config, converted, key, max_length, generator, streamer, beams,
-            int_field(config, "num_return_sequences"),
+            int_field(config, "num_return_sequences"), left_padding(model, model_kwargs),
         )  # fmt: skip
         with self._wake:
             if self._closed:

@@ -58,6 +58,7 @@ class Joining:
     streamer: BaseStreamer | None = None
     beams: int = 1  # rows the request takes (num_beams; its input_ids hold one copy of the prompt per beam)
     sequences: int = 1  # hypotheses it returns (num_return_sequences)
+    padding: int = 0  # pad tokens on the left of its prompt (its attention mask's zeros)
     done: threading.Event = field(factory=threading.Event)
     # Set on every hand-over to the request's thread: new tokens for its streamer, or the end.
     news: threading.Event = field(factory=threading.Event)

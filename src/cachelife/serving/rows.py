@@ -3,7 +3,10 @@
 Each row holds its own request's tokens from column 0 (`Rows`); lengths, end flags, length limits, the
 attention mask over the cache's slots and the processors' per-row positions are tensors with one entry per
 row, so that one compiled step (and one CUDA graph) serves whatever mix of requests the rows hold. A row's
-position ids are its own token count minus one, whatever cache slot it writes (`window`).
+position ids are its own token count minus one, whatever cache slot it writes (`window`), less its left
+padding: a left-padded prompt's pads stay in its tokens (the processors read them, as `generate`'s do) and in
+its cache slots, which its mask leaves out, and its positions count from its first token, as `generate`
+counts them from the prompt's attention mask.
 
 The processors of one batch are one `Program`: transformers' processors converted as `cachelife.generate`
 converts them (`generation.processors`), with the positions that differ between requests (the begin index of
@@ -57,6 +60,7 @@ class Rows:
     active: torch.Tensor  # (rows,) bool: rows that decode (others' steps change nothing)
     max_length: torch.Tensor  # (rows,) long
     mask: torch.Tensor  # (rows, cache slots) long: the slots each row attends to
+    padding: torch.Tensor  # (rows,) long: the pad tokens on the left of each row's prompt
 
     @classmethod
     def allocate(cls, rows: int, width: int, slots: int, device: torch.device) -> Rows:
@@ -67,6 +71,7 @@ class Rows:
             torch.zeros(rows, dtype=torch.bool, device=device),
             torch.ones(rows, dtype=torch.long, device=device),
             torch.ones(rows, slots, dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.long, device=device),
         )
         for tensor in attrs.astuple(made, recurse=False):
             torch._dynamo.mark_static_address(tensor)
@@ -76,20 +81,23 @@ class Rows:
         return self.active & self.unfinished & (self.length < self.max_length)
 
     def positions(self) -> torch.Tensor:
-        return (self.length - 1).clamp(min=0)[:, None]
+        """The position ids of each row's last token: its index less the row's left padding."""
+        return (self.length - 1 - self.padding).clamp(min=0)[:, None]
 
     def last_tokens(self) -> torch.Tensor:
-        return self.tokens.gather(1, self.positions())
+        return self.tokens.gather(1, (self.length - 1).clamp(min=0)[:, None])
 
-    def start(self, row: int, prompt: torch.Tensor, max_length: int, first_slot: int) -> None:
-        """Row `row` holds `prompt` (1, n) and attends to the slots from `first_slot` on."""
+    def start(self, row: int, prompt: torch.Tensor, max_length: int, first_slot: int, padding: int = 0) -> None:
+        """Row `row` holds `prompt` (1, n), whose first `padding` tokens are left padding, from cache slot
+        `first_slot` on, and attends to the slots of its tokens."""
         self.tokens[row].zero_()
         self.tokens[row, : prompt.shape[1]].copy_(prompt[0])
         self.length[row] = prompt.shape[1]
         self.unfinished[row] = True
         self.active[row] = True
         self.max_length[row] = max_length
-        self.attend_from(row, first_slot)
+        self.padding[row] = padding
+        self.attend_from(row, first_slot + padding)
 
     def attend_from(self, row: int, first_slot: int) -> None:
         slots = torch.arange(self.mask.shape[1], device=self.mask.device)
@@ -99,6 +107,7 @@ class Rows:
         self.active[row] = False
         self.unfinished[row] = False
         self.length[row] = 1
+        self.padding[row] = 0
         self.mask[row].fill_(1)
 
 

@@ -51,6 +51,16 @@ def _token_inputs(model: PreTrainedModel, vocab_size: int) -> Callable[[int, int
     return make
 
 
+def left_padded(inputs: Inputs, pads: int, pad_token_id: int) -> Inputs:
+    """One prompt of `inputs` (`input_ids`, batch 1) with its first `pads` tokens made padding, as a tokenizer
+    with `padding=True` left-pads a shorter prompt: pad tokens and a mask of zeros there."""
+    ids = inputs["input_ids"].clone()
+    ids[:, :pads] = pad_token_id
+    mask = torch.ones_like(ids)
+    mask[:, :pads] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def t5_tiny() -> T5Config:
     """The demo's embedded default: 2+2 layers, 4 heads of 16 (heads x d_kv == d_model)."""
     return T5Config(
