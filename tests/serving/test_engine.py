@@ -590,3 +590,61 @@ def test_left_padded_prompts_decode_as_generate_decodes_them(llama: zoo.ZooModel
             got = results[id(request)].result(timeout=300)
             assert torch.equal(got, want), request
             assert torch.equal(got, alone(model, **request))
+
+
+def test_a_place_is_free_before_the_future_resolves(llama: zoo.ZooModel) -> None:
+    """A caller that submits again the moment it has its result (here: in the future's callback, which runs
+    as the future resolves) finds its place free, round after round."""
+    rounds: list[torch.Tensor] = []
+    failures: list[BaseException] = []
+    request = {**llama.inputs(1, 4, 0), "max_new_tokens": 2}
+    with Engine(llama.model, rows=1, max_length=16, queue_size=0, prepare_ahead=0, compile_step=False) as engine:
+        done = threading.Event()
+
+        def again(future: Future[Any]) -> None:
+            rounds.append(future.result())
+            if len(rounds) == 5:
+                done.set()
+                return
+            try:
+                engine.submit(**request).add_done_callback(again)
+            except QueueFullError as error:
+                failures.append(error)
+                done.set()
+
+        engine.submit(**request).add_done_callback(again)
+        assert done.wait(120)
+    assert failures == []
+    assert len(rounds) == 5
+
+
+def test_cancelled_and_expired_requests_give_their_places_back_while_waiting_for_a_thread(
+    llama: zoo.ZooModel,
+) -> None:
+    gate = threading.Event()
+    with Engine(llama.model, rows=1, max_length=16, queue_size=1, prepare_ahead=0, compile_step=False) as engine:
+        engine._workers.submit(gate.wait)  # the only request thread is busy: requests wait for it
+        try:
+            first = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=2)
+            second = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=2)
+            with pytest.raises(QueueFullError):
+                engine.submit(**llama.inputs(1, 4, 2), max_new_tokens=2)
+            assert second.cancel()
+            third = engine.submit(**llama.inputs(1, 4, 2), max_new_tokens=2, timeout=0.05)  # the place is free
+            with pytest.raises(RequestTimeoutError, match=r"timeout of 0\.05 s"):
+                third.result(timeout=10)  # failed by its deadline, not when a thread takes it up
+            assert engine.stats().held == 1
+        finally:
+            gate.set()
+        assert torch.equal(first.result(timeout=120), alone(llama.model, **llama.inputs(1, 4, 0), max_new_tokens=2))
+    assert engine.stats().held == 0
+
+
+def test_close_without_waiting_leaves_no_thread_behind(llama: zoo.ZooModel) -> None:
+    before = set(threading.enumerate())
+    engine = Engine(llama.model, rows=2, max_length=16, compile_step=False)
+    engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=4, timeout=30).result(timeout=120)
+    started = set(threading.enumerate()) - before  # the scheduler, a request thread, the deadlines' watch
+    assert len(started) >= 2
+    engine.close(wait=False)
+    _until(lambda: not any(thread.is_alive() for thread in started), seconds=30)

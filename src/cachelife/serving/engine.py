@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -34,12 +34,13 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError
+from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError, RequestTimeoutError
 from cachelife.generation.api import check_generator, check_model
 from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.padding import left_padding
 from cachelife.generation.steps import CudaGraphs, LoopSettings
 from cachelife.serving.batch import Batch
+from cachelife.serving.deadlines import Deadlines
 from cachelife.serving.requests import (
     Joining,
     Request,
@@ -124,6 +125,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        self._held_requests: dict[int, Request] = {}
+        self._deadlines = Deadlines(self._expire)
         self._workers = ThreadPoolExecutor(rows + prepare_ahead, thread_name_prefix="cachelife-engine-request")
         self._scheduler = threading.Thread(target=self._serve, name="cachelife-engine", daemon=True)
         self._scheduler.start()
@@ -158,6 +161,12 @@ class Engine:
             self._held += 1
         deadline = None if timeout is None else time.monotonic() + timeout
         request = Request(next(self._numbers), kwargs, generator, future, timeout, deadline)
+        with self._lock:
+            self._held_requests[request.number] = request
+        # A cancelled request gives its place back at once, wherever it waits.
+        future.add_done_callback(lambda done: self._release(request) if done.cancelled() else None)
+        if deadline is not None:
+            self._deadlines.watch(request.number, deadline)
         self._workers.submit(self._run, request)
         return future
 
@@ -196,9 +205,11 @@ class Engine:
             self._wake.notify_all()
         for joining in waiting:
             hand_back(joining, error=EngineClosedError("the engine was closed before the request got a row"))
+        self._deadlines.close(wait=wait)
+        # Without waiting, the request threads still end once their requests have (none is left idle).
+        self._workers.shutdown(wait=wait)
         if wait:
             self._scheduler.join()
-            self._workers.shutdown(wait=True)
 
     def __enter__(self) -> Engine:
         return self
@@ -218,10 +229,33 @@ class Engine:
 
     # -- a request's thread ---------------------------------------------------------------------------------
 
-    def _run(self, request: Request) -> None:
-        try:
-            if request.future.cancelled():
+    def _release(self, request: Request) -> None:
+        """Give the request's place back (once): before its future resolves, so that a caller who submits
+        again as soon as it has its result finds the place free."""
+        with self._lock:
+            if request.released:
                 return
+            request.released = True
+            self._held -= 1
+            self._held_requests.pop(request.number, None)
+        self._deadlines.forget(request.number)
+
+    def _expire(self, number: int) -> None:
+        """The request's deadline has passed: its place is given back and its future fails now; its thread
+        stops at its next look (its row is freed at the next step boundary)."""
+        with self._lock:
+            request = self._held_requests.get(number)
+        if request is None:
+            return
+        self._release(request)
+        msg = f"the request was not served within its timeout of {request.timeout} s"
+        _resolve(request.future, error=RequestTimeoutError(msg))
+
+    def _run(self, request: Request) -> None:
+        if request.future.done():  # cancelled or expired while it waited for a thread
+            self._release(request)
+            return
+        try:
             if self._closed:
                 msg = "the engine was closed before the request started"
                 raise EngineClosedError(msg)
@@ -230,14 +264,12 @@ class Engine:
                 return self._decode(request, model, input_ids, **arguments)
 
             output = type(self._model).generate(self._model, **request.kwargs, custom_generate=method)
-            if not request.future.cancelled():
-                request.future.set_result(output)
         except BaseException as error:
-            if not request.future.cancelled():
-                request.future.set_exception(error)
-        finally:
-            with self._lock:
-                self._held -= 1
+            self._release(request)
+            _resolve(request.future, error=error)
+            return
+        self._release(request)
+        _resolve(request.future, result=output)
 
     def _decode(
         self,
@@ -340,3 +372,14 @@ class Engine:
                     return
                 self._waiting.popleft()
             self._batch.join(head, *room)
+
+
+def _resolve(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set the future's outcome unless it already has one (cancelled, or failed by its deadline)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

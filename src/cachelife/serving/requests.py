@@ -41,6 +41,7 @@ class Request:
     future: Future[Any]
     timeout: float | None
     deadline: float | None
+    released: bool = False  # its place among the engine's held requests given back
 
 
 @define
@@ -168,7 +169,7 @@ def wait_for(joining: Joining, lock: threading.Lock, waiting: deque[Joining]) ->
                 joining.news.clear()
                 _stream(joining)
             expired = request.deadline is not None and time.monotonic() > request.deadline
-            if request.future.cancelled():
+            if request.future.done():  # cancelled, or failed by its deadline's watch
                 raise CancelledError
             if expired:
                 msg = f"the request was not served within its timeout of {request.timeout} s"
