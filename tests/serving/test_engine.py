@@ -362,9 +362,17 @@ def test_leaving_a_stream_early_cancels_its_request(llama: zoo.ZooModel) -> None
             engine.stream(**long, streamer=Recording())
 
 
-def test_a_failing_request_fails_alone(llama: zoo.ZooModel) -> None:
+def test_a_failing_request_fails_alone(llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch) -> None:
     good = list(requests_of(llama, 3))
-    bad: dict[str, Any] = {"input_ids": torch.tensor([[1, 2, 10_000]]), "max_new_tokens": 4}  # past the vocabulary
+    bad: dict[str, Any] = {"input_ids": torch.tensor([[7] * 13]), "max_new_tokens": 4}  # its prefill fails
+    prefill = prefill_module.Prefill.__call__
+
+    def failing_for_the_bad_one(self: Any, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        if input_ids.shape[1] == 13:
+            raise IndexError("index out of range in self")
+        return prefill(self, input_ids, *args)
+
+    monkeypatch.setattr(prefill_module.Prefill, "__call__", failing_for_the_bad_one)
     with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
         futures = [engine.submit(**good[0]), engine.submit(**bad), engine.submit(**good[1]), engine.submit(**good[2])]
         with pytest.raises(IndexError):
@@ -436,6 +444,12 @@ def test_close_fails_what_waits_and_finishes_what_decodes(llama: zoo.ZooModel) -
          InvalidArgumentError, "the engine's settings"),
         ({"max_new_tokens": 2, "input_ids": torch.ones(1, 3, dtype=torch.long), "output_attentions": True,
           "return_dict_in_generate": True}, UnsupportedGenerationError, "output_attentions"),
+        ({"input_ids": torch.tensor(5)}, InvalidArgumentError, r"shape \(1, length\), got shape \(\)"),
+        ({"input_ids": torch.tensor([5, 6])}, InvalidArgumentError, r"shape \(1, length\), got shape \(2,\)"),
+        ({"input_ids": torch.ones(1, 0, dtype=torch.long)}, InvalidArgumentError, r"got shape \(1, 0\)"),
+        ({"input_ids": torch.ones(1, 3)}, InvalidArgumentError, "as torch.long .* got torch.float32"),
+        ({"input_ids": torch.tensor([[5, 320]])}, InvalidArgumentError, r"ids from 0 to 319 .* got 5\.\.320"),
+        ({"input_ids": torch.tensor([[-1, 5]])}, InvalidArgumentError, r"got -1\.\.5"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_refused_before_any_work(
@@ -475,6 +489,14 @@ def test_models_whose_caches_the_rows_cannot_share_are_refused() -> None:
         Engine(MistralForCausalLM(sliding).eval(), compile_step=False)
     with pytest.raises(InvalidArgumentError, match="pass encoder_length"):
         Engine(zoo.build("t5").model)
+
+
+def test_engine_sizes_past_the_models_positions_or_the_devices_memory_are_refused_before_allocating() -> None:
+    with pytest.raises(InvalidArgumentError, match="max_length=257 is past LlamaForCausalLM's 256 positions"):
+        Engine(zoo.build("llama").model, max_length=257, compile_step=False)
+    t5 = zoo.build("t5").model  # relative positions: no bound but the memory
+    with pytest.raises(InvalidArgumentError, match=r"rows=8 and 1000000001 positions would take .* GiB free"):
+        Engine(t5, max_length=10**9, encoder_length=16, compile_step=False)
 
 
 def _until(condition: Any, seconds: float = 60) -> None:

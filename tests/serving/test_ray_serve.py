@@ -167,6 +167,7 @@ def test_a_token_prompt_and_every_setting_are_read() -> None:
         ({"prompt": "w5", "temperature": 2.5}, "temperature must be a number in [0, 2], got 2.5"),
         ({"prompt": "w5", "top_p": "high"}, "top_p must be a number in [0, 1], got 'high'"),
         ({"prompt": "w5", "seed": -1}, "seed must be an int >= 0, got -1"),
+        ({"prompt": "w5", "seed": 2**64}, "seed must be an int from 0 to 2**64 - 1, got 18446744073709551616"),
     ],
 )
 def test_a_bad_completion_request_says_what_was_expected_and_what_came(body: object, message: str) -> None:

@@ -27,7 +27,14 @@ from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, f
 from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
-from cachelife.serving.model_facts import encoder_length_of, refuse_sliding_windows, step_names, vocab_size
+from cachelife.serving.model_facts import (
+    check_memory,
+    check_positions,
+    encoder_length_of,
+    refuse_sliding_windows,
+    step_names,
+    vocab_size,
+)
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining, first_sequence, hand_back
 from cachelife.serving.row_writes import RowWrites, layer_tensors
@@ -62,8 +69,10 @@ class Batch:
         self.model, self.settings, self.max_length = model, settings, max_length
         self.names = step_names(model)
         self.width = max_length + settings.steps_per_call
+        check_positions(model, max_length)
         refuse_sliding_windows(model, self.width)
         self.encoder_length = encoder_length_of(model, encoder_length)
+        check_memory(model, rows=rows, width=self.width, encoder_length=self.encoder_length)
         self.vocab = vocab_size(model)
         device = model.device
         self.rows = Rows.allocate(rows, buffer_width(max_length), self.width, device)

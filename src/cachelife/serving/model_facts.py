@@ -1,9 +1,11 @@
 """What the engine reads off a model before it builds its batch: the step's argument names, the models whose
-caches the rows cannot share (refused by name), the encoder output length every row holds, the vocabulary."""
+caches the rows cannot share (refused by name), the encoder output length every row holds, the vocabulary,
+the positions a decoder has and the memory its caches take."""
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import cast
 
@@ -85,3 +87,69 @@ def vocab_size(model: PreTrainedModel) -> int:
     if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
     return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+# The config fields that bound a decoder's positions (learned or rotary position tables).
+_POSITION_LIMITS = ("max_position_embeddings", "max_target_positions", "n_positions")
+
+
+def check_positions(model: PreTrainedModel, max_length: int) -> None:
+    """`InvalidArgumentError` for an engine `max_length` past the decoder's positions, where its config bounds
+    them (T5's relative positions have no bound)."""
+    config = model.config.get_text_config(decoder=True)
+    for name in _POSITION_LIMITS:
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and max_length > limit:
+            msg = (
+                f"max_length={max_length} is past {type(model).__name__}'s {limit} positions "
+                f"({name} in its config): pass max_length <= {limit}"
+            )
+            raise InvalidArgumentError(msg)
+
+
+def cache_bytes(model: PreTrainedModel, *, rows: int, width: int, encoder_length: int | None) -> int | None:
+    """The bytes of an engine's caches (its rows' and the one-row scratch cache), from the decoder's config;
+    None where the config does not say its layers, key/value heads and head size."""
+    config = model.config.get_text_config(decoder=True)
+    layers = _first_int(config, "num_decoder_layers", "decoder_layers", "num_hidden_layers", "n_layer")
+    heads = _first_int(config, "num_key_value_heads", "decoder_attention_heads", "num_heads",
+                       "num_attention_heads", "n_head")  # fmt: skip
+    query_heads = _first_int(config, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head")
+    hidden = _first_int(config, "d_model", "hidden_size", "n_embd")
+    head_size = _first_int(config, "head_dim", "d_kv")
+    if head_size is None and hidden is not None and query_heads:
+        head_size = hidden // query_heads
+    if layers is None or heads is None or head_size is None:
+        return None
+    positions = width + (encoder_length or 0)  # self-attention slots, and cross-attention's encoder positions
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return (rows + 1) * positions * layers * 2 * heads * head_size * itemsize
+
+
+def check_memory(model: PreTrainedModel, *, rows: int, width: int, encoder_length: int | None) -> None:
+    """`InvalidArgumentError` before any allocation for caches larger than the device's free memory."""
+    needed = cache_bytes(model, rows=rows, width=width, encoder_length=encoder_length)
+    free = _free_bytes(model.device)
+    if needed is None or free is None or needed <= free:
+        return
+    msg = (
+        f"the engine's caches for rows={rows} and {width} positions would take {needed / 2**30:.1f} GiB; "
+        f"{model.device} has {free / 2**30:.1f} GiB free: pass fewer rows or a smaller max_length"
+    )
+    raise InvalidArgumentError(msg)
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu" and hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return None
+
+
+def _first_int(config: object, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

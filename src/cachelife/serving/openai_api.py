@@ -34,6 +34,7 @@ from cachelife.validate import check_int, is_int_at_least
 
 COMPLETIONS: Final = "/v1/completions"
 TRANSCRIPTIONS: Final = "/v1/audio/transcriptions"
+SEEDS: Final = 2**64
 COMPLETION_FIELDS: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream")
 TRANSCRIPTION_FIELDS: Final = ("file", "model", "language", "temperature", "response_format")
 RESPONSE_FORMATS: Final = ("json", "text")
@@ -147,8 +148,9 @@ def parse_completion(data: bytes, *, model_name: str, tokenizer: Tokenizer, voca
         )
         raise InvalidArgumentError(msg)
     seed = body.get("seed")
-    if seed is not None:
-        check_int("seed", seed, minimum=0)
+    if seed is not None and (check_int("seed", seed, minimum=0) >= SEEDS):  # torch's generators take 64 bits
+        msg = f"seed must be an int from 0 to 2**64 - 1, got {seed!r}"
+        raise InvalidArgumentError(msg)
     sampling = Sampling(
         temperature=_number("temperature", body.get("temperature", 1), 0, 2),
         top_p=_number("top_p", body.get("top_p", 1), 0, 1),

@@ -25,6 +25,7 @@ from cachelife.generation.host import host_criteria
 from cachelife.generation.method import unsupported_prompt, unsupported_window
 from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
 from cachelife.generation.steps import LoopSettings
+from cachelife.serving.model_facts import vocab_size
 from cachelife.serving.rows import unsupported_for_rows
 
 # cachelife.generate's own settings: an engine's are set once, on the engine.
@@ -80,12 +81,17 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if ours:
         msg = f"{', '.join(ours)} are the engine's settings (Engine(model, ...)), not a request's"
         raise InvalidArgumentError(msg)
-    inputs = [value for name in ("input_ids", "input_features", "inputs_embeds")
+    inputs = [(name, value) for name in ("input_ids", "input_features", "inputs_embeds")
               if isinstance(value := kwargs.get(name), torch.Tensor)]  # fmt: skip
     if not inputs:
         msg = "an engine request needs input_ids (or Whisper's input_features) as a tensor, got none"
         raise InvalidArgumentError(msg)
-    rows = int(inputs[0].shape[0])
+    for name, value in inputs:
+        check_prompt_shape(name, value)
+    for name in ("input_ids", "decoder_input_ids"):
+        if isinstance(value := kwargs.get(name), torch.Tensor):
+            check_token_ids(name, value, vocab_size(model))
+    rows = int(inputs[0][1].shape[0])
     if rows != 1:
         msg = f"an engine request is one sequence (batch 1), got a batch of {rows}: submit each"
         raise InvalidArgumentError(msg)
@@ -97,6 +103,27 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
         raise UnsupportedGenerationError(msg)
+
+
+def check_prompt_shape(name: str, value: torch.Tensor) -> None:
+    """A prompt tensor of the dimensions its name takes (token ids (1, length); features and embeddings (1, n,
+    size)), with at least one position."""
+    shape = "(1, length)" if name.endswith("input_ids") else "(1, positions, size)"
+    if value.dim() != shape.count(",") + 1 or 0 in value.shape:
+        msg = f"an engine request's {name} is a tensor of shape {shape}, got shape {tuple(value.shape)}"
+        raise InvalidArgumentError(msg)
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
+    """Token ids of an integer dtype, each in the model's vocabulary."""
+    if ids.dtype not in (torch.long, torch.int32):
+        msg = f"an engine request's {name} holds token ids as torch.long (or int32), got {ids.dtype}"
+        raise InvalidArgumentError(msg)
+    check_prompt_shape(name, ids)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        msg = f"an engine request's {name} holds ids from 0 to {vocab - 1} (the model's vocabulary), got {low}..{high}"
+        raise InvalidArgumentError(msg)
 
 
 def own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
