@@ -670,3 +670,57 @@ def test_close_without_waiting_leaves_no_thread_behind(llama: zoo.ZooModel) -> N
     assert len(started) >= 2
     engine.close(wait=False)
     _until(lambda: not any(thread.is_alive() for thread in started), seconds=30)
+
+
+# Requests of every everyday setting: greedy and sampling rows, penalties, suppressed tokens, minimum lengths,
+# end tokens of their own.
+MIXED_SETTINGS: list[dict[str, Any]] = [
+    {},
+    {"repetition_penalty": 1.3},
+    {"do_sample": True, "temperature": 0.7, "top_k": 0},
+    {"do_sample": True, "temperature": 1.2, "top_k": 5},
+    {"do_sample": True, "top_p": 0.8, "top_k": 0},
+    {"do_sample": True, "min_p": 0.1, "top_k": 0, "repetition_penalty": 1.2},
+    {"do_sample": True, "typical_p": 0.9, "top_k": 0},
+    {"suppress_tokens": [3, 5, 7], "min_new_tokens": 4, "eos_token_id": [4, 9]},
+    {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "begin_suppress_tokens": [1, 2]},
+]
+
+
+@pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_mix_of_settings_decodes_together_each_as_its_own_generate(llama: zoo.ZooModel, compile_step: bool) -> None:
+    # Every request's settings are values in its row: all of them share the per-row pipeline (its greedy and
+    # sampling variants), and each request equals its own cachelife.generate with the same seed.
+    pairs = zip(requests_of(llama, 9), MIXED_SETTINGS, strict=True)
+    requests = [{**request, **settings} for request, settings in pairs]
+
+    def seeded(index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(100 + index)
+
+    with Engine(llama.model, rows=4, max_length=40, compile_step=compile_step) as engine:
+        futures = [engine.submit(**request, generator=seeded(i)) for i, request in enumerate(requests)]
+        results = [future.result(timeout=300) for future in futures]
+        programs = engine.stats().programs
+    assert programs <= 2
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, alone(llama.model, **request, generator=seeded(index))), (index, request)
+        if not request.get("do_sample"):
+            assert torch.equal(result, zoo.generate_tokens(llama.model, request)), (index, request)
+
+
+def test_requests_of_other_temperatures_decode_at_once_in_one_program(llama: zoo.ZooModel) -> None:
+    # Twelve temperatures, two rows: no request waits for another's settings (two of 40 new tokens each take
+    # about 40 steps together, 80 one after the other), and the batch keeps the per-row pipeline only.
+    prompt = llama.inputs(1, 6, 0)
+    requests = [{**prompt, "do_sample": True, "top_k": 0, "temperature": 0.5 + index / 10, "max_new_tokens": 40,
+                 "min_new_tokens": 40} for index in range(12)]  # fmt: skip
+    with Engine(llama.model, rows=2, max_length=60, compile_step=False) as engine:
+        first = [engine.submit(**request) for request in requests[:2]]
+        for future in first:
+            future.result(timeout=120)
+        steps = engine.stats().steps
+        for future in [engine.submit(**request) for request in requests[2:]]:
+            future.result(timeout=120)
+        stats = engine.stats()
+    assert steps < 60
+    assert stats.programs == 1  # the sampling variant alone: no row was greedy

@@ -59,16 +59,23 @@ class RepetitionPenalty:
     ignore: torch.Tensor | None
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        vocab = scores.shape[-1]
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        outside = positions[None, :] >= length
-        if self.ignore is not None:
-            outside = outside | (positions[None, :] < self.ignore[:, None])
-        ids = tokens.masked_fill(outside, vocab).clamp(max=vocab)
-        padded = torch.nn.functional.pad(scores, (0, 1))
-        score = torch.gather(padded, 1, ids)
-        score = torch.where(score < 0, score * self.penalty, score / self.penalty)
-        return padded.scatter(1, ids, score)[..., :vocab]
+        return repetition_penalised(tokens, length, scores, self.penalty, self.ignore)
+
+
+def repetition_penalised(
+    tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor, penalty: torch.Tensor, ignore: torch.Tensor | None
+) -> torch.Tensor:
+    """`RepetitionPenalty`'s arithmetic; `penalty` 0-dim or one per row (rows, 1), `ignore` one per row."""
+    vocab = scores.shape[-1]
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    outside = positions[None, :] >= length
+    if ignore is not None:
+        outside = outside | (positions[None, :] < ignore[:, None])
+    ids = tokens.masked_fill(outside, vocab).clamp(max=vocab)
+    padded = torch.nn.functional.pad(scores, (0, 1))
+    score = torch.gather(padded, 1, ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return padded.scatter(1, ids, score)[..., :vocab]
 
 
 @frozen

@@ -12,6 +12,7 @@ table; the device buffers are `rows`' (and a beam program's state, `beam_groups`
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +38,26 @@ from cachelife.serving.model_facts import (
 )
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining, first_sequence, hand_back
+from cachelife.serving.row_settings import RowSettings
 from cachelife.serving.row_writes import RowWrites, layer_tensors
-from cachelife.serving.rows import Program, Rows, build_program, choose, engine_steps, row_values
+from cachelife.serving.rows import (
+    PER_ROW,
+    Program,
+    Rows,
+    build_program,
+    choose,
+    engine_steps,
+    per_row_program,
+    row_values,
+    shares_batch,
+)
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.window import Occupant, Placement, place
+
+# Programs of their own (requests whose processors are not the per-row pipeline's, beam searches) a batch keeps:
+# past this many, the least recently used one not running is dropped (its graphs stay in the model's runtime,
+# which keeps the most recently used ones).
+KEPT_PROGRAMS = 8
 
 
 @define
@@ -76,6 +93,7 @@ class Batch:
         self.vocab = vocab_size(model)
         device = model.device
         self.rows = Rows.allocate(rows, buffer_width(max_length), self.width, device)
+        self.row_settings = RowSettings.allocate(rows, self.vocab, device)
         self.cache = prepare_static_cache(model, batch_size=rows, max_cache_len=self.width,
                                           encoder_length=self.encoder_length)  # fmt: skip
         self.scratch = prepare_static_cache(model, batch_size=1, max_cache_len=self.width,
@@ -91,7 +109,7 @@ class Batch:
             torch._dynamo.mark_static_address(buffer)
         self.slots = [Slot(row) for row in range(rows)]
         self.seats: dict[int, _Seat] = {}
-        self.programs: dict[tuple[object, ...], tuple[Program | BeamProgram, Callable[[], int]]] = {}
+        self.programs: OrderedDict[tuple[object, ...], tuple[Program | BeamProgram, Callable[[], int]]] = OrderedDict()
         self.beam_states: dict[tuple[object, ...], BeamState] = {}
         self.program: Program | BeamProgram | None = None
         self.slot = 0  # where every row writes its next key and value
@@ -106,7 +124,7 @@ class Batch:
         first = self._free_rows(joining.beams)
         if first is None:
             return None
-        if self.seats and self.program is not None and joining.key != self.program.key:
+        if self.seats and self.program is not None and not shares_batch(joining.key, self.program.key):
             return None
         occupants = [Occupant(seat.start, seat.end) for seat in self.seats.values()]
         placement = place(
@@ -123,7 +141,7 @@ class Batch:
         for slot in group:
             slot.move("admit", Prefilling(joining.request.number))
         try:
-            program = self.program if self.seats and self.program is not None else self._program_for(joining)
+            program = self._joining_program(joining)
             started = time.perf_counter()
             logits, encoder = self._prefill(joining)
             self.prefill_seconds += time.perf_counter() - started
@@ -173,6 +191,9 @@ class Batch:
                 if encoder.mask is not None:
                     self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
             self.rows.start(row, joining.input_ids[:1], joining.max_length, start, joining.padding)
+            if joining.per_row is not None:
+                self.row_settings.write(row, joining.per_row)
+                continue
             for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
                 buffer[row] = value
         if isinstance(program, BeamProgram):
@@ -191,6 +212,8 @@ class Batch:
         """One call of the step for every row (`steps_per_call` steps; a graph's first call runs one)."""
         if self.program is None:
             return
+        if self.program.key[0] == PER_ROW:  # the sampling stages only while a row samples
+            self.program = self._per_row(sampling=self._samples())
         spc = self.settings.steps_per_call
         for row, seat in self.seats.items():
             generator = seat.joining.generator
@@ -260,9 +283,32 @@ class Batch:
 
     # -- joining ---------------------------------------------------------------------------------------------
 
+    def _samples(self, joining: Joining | None = None) -> bool:
+        """Whether a row of the batch (or the newcomer) samples."""
+        seated = (seat.joining for seat in self.seats.values())
+        return any(j.per_row is not None and j.per_row.do_sample for j in (*seated, *([joining] if joining else [])))
+
+    def _joining_program(self, joining: Joining) -> Program | BeamProgram:
+        """The program the batch runs once the newcomer has joined."""
+        if joining.per_row is not None:
+            return self._per_row(sampling=self._samples(joining))
+        if self.seats and self.program is not None:
+            return self.program
+        return self._program_for(joining)
+
+    def _per_row(self, *, sampling: bool) -> Program:
+        key: tuple[object, ...] = (PER_ROW, sampling)
+        if key not in self.programs:
+            program = per_row_program(self.row_settings, sampling=sampling)
+            self.programs[key] = (program, self._stepper(program))
+        return self.programs[key][0]  # type: ignore[return-value]  # a per-row key holds a Program
+
     def _program_for(self, joining: Joining) -> Program | BeamProgram:
         found = self.programs.get(joining.key)
-        if found is None:
+        if found is not None:
+            self.programs.move_to_end(joining.key)
+        else:
+            self._drop_unused_programs(keep=KEPT_PROGRAMS - 1)
             config = joining.config
             pad = special_tokens(config, "_pad_token_tensor")
             if joining.beams > 1:
@@ -275,6 +321,16 @@ class Batch:
                 found = (program, self._stepper(program))
             self.programs[joining.key] = found
         return found[0]
+
+    def _drop_unused_programs(self, *, keep: int) -> None:
+        """Drop the least recently used programs of their own (not the per-row pipeline's, not the one running)
+        until at most `keep` are left."""
+        own = [key for key in self.programs if key[0] != PER_ROW]
+        for key in own[: max(len(own) - keep, 0)]:
+            if self.program is not None and key == self.program.key:
+                continue
+            del self.programs[key]
+            self.beam_states.pop(key, None)
 
     def _beam_program(self, joining: Joining) -> tuple[BeamProgram, Callable[[], int]]:
         config, device = joining.config, self.model.device

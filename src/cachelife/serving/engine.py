@@ -51,7 +51,8 @@ from cachelife.serving.requests import (
     prepared_processors,
     wait_for,
 )
-from cachelife.serving.rows import program_key
+from cachelife.serving.row_settings import PerRow, per_row
+from cachelife.serving.rows import PER_ROW, program_key
 from cachelife.serving.streaming import tokens_as_they_come
 from cachelife.serving.window import fits_at_all
 from cachelife.validate import check_bool, check_choice, check_int
@@ -63,10 +64,11 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     """A snapshot: requests decoding (a beam request holds a group of rows), prepared requests waiting for
     rows, requests held (submitted, not done), steps run, the cache's write slot, how often the rows' content
-    was moved to make room, requests that joined, and the scheduler's wall seconds spent so far admitting
-    newcomers (prefill, placement, first token) and running steps (calls of the step, hand-backs). Of those,
-    `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to reading the rows' lengths and
-    end flags after each call of the step (which waits for the device to finish it) and handing tokens over."""
+    was moved to make room, requests that joined, the programs the batch keeps, and the scheduler's wall
+    seconds spent so far admitting newcomers (prefill, placement, first token) and running steps (calls of the
+    step, hand-backs). Of those, `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to
+    reading the rows' lengths and end flags after each call of the step (which waits for the device to finish
+    it) and handing tokens over."""
 
     decoding: int
     waiting: int
@@ -79,6 +81,7 @@ class EngineStats:
     step_seconds: float
     prefill_seconds: float
     collect_seconds: float
+    programs: int  # programs the batch keeps (the per-row pipeline's variants and programs of their own)
 
 
 class Engine:
@@ -192,9 +195,19 @@ class Engine:
         batch = self._batch
         with self._lock:
             return EngineStats(
-                len(batch.seats), len(self._waiting), self._held, batch.steps, batch.slot, batch.moves, batch.joins,
-                self._join_seconds, self._step_seconds, batch.prefill_seconds, self._collect_seconds,
-            )  # fmt: skip
+                decoding=len(batch.seats),
+                waiting=len(self._waiting),
+                held=self._held,
+                steps=batch.steps,
+                slot=batch.slot,
+                moves=batch.moves,
+                joins=batch.joins,
+                join_seconds=self._join_seconds,
+                step_seconds=self._step_seconds,
+                prefill_seconds=batch.prefill_seconds,
+                collect_seconds=self._collect_seconds,
+                programs=len(batch.programs),
+            )
 
     def close(self, *, wait: bool = True) -> None:
         """Take no new requests; requests already decoding finish, the others fail with `EngineClosedError`."""
@@ -312,14 +325,17 @@ class Engine:
         eos = eos_ids(config)
         pad_tensor = special_tokens(config, "_pad_token_tensor")
         pad = 0 if pad_tensor is None else int(pad_tensor)
-        key = program_key(converted, do_sample=bool(config.do_sample), eos=eos, pad=pad)
+        values = per_row(logits_processor, do_sample=bool(config.do_sample), eos=eos, pad=pad) if beams == 1 else None
+        per_row_values = values if isinstance(values, PerRow) else None
+        key: tuple[object, ...] = (PER_ROW, per_row_values.do_sample) if per_row_values is not None else (
+            program_key(converted, do_sample=bool(config.do_sample), eos=eos, pad=pad))  # fmt: skip
         if beams > 1:  # requests of other beam settings run another program
             key = (*key, beams, float_field(config, "length_penalty"), early_stopping(config))
         # transformers' generate put the prompt into the streamer; the new tokens come from the rows.
         streamer = request.kwargs.get("streamer")
         joining = Joining(
             request, input_ids, model_kwargs, config, converted, key, max_length, generator, streamer, beams,
-            int_field(config, "num_return_sequences"), left_padding(model, model_kwargs),
+            int_field(config, "num_return_sequences"), left_padding(model, model_kwargs), per_row_values,
         )  # fmt: skip
         with self._wake:
             if self._closed:

@@ -26,6 +26,7 @@ from cachelife.generation.method import unsupported_prompt, unsupported_window
 from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
 from cachelife.generation.steps import LoopSettings
 from cachelife.serving.model_facts import vocab_size
+from cachelife.serving.row_settings import PerRow
 from cachelife.serving.rows import unsupported_for_rows
 
 # cachelife.generate's own settings: an engine's are set once, on the engine.
@@ -61,6 +62,7 @@ class Joining:
     beams: int = 1  # rows the request takes (num_beams; its input_ids hold one copy of the prompt per beam)
     sequences: int = 1  # hypotheses it returns (num_return_sequences)
     padding: int = 0  # pad tokens on the left of its prompt (its attention mask's zeros)
+    per_row: PerRow | None = None  # its processors as the per-row pipeline's values, if they are (`row_settings`)
     done: threading.Event = field(factory=threading.Event)
     # Set on every hand-over to the request's thread: new tokens for its streamer, or the end.
     news: threading.Event = field(factory=threading.Event)

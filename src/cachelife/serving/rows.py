@@ -8,10 +8,13 @@ padding: a left-padded prompt's pads stay in its tokens (the processors read the
 its cache slots, which its mask leaves out, and its positions count from its first token, as `generate`
 counts them from the prompt's attention mask.
 
-The processors of one batch are one `Program`: transformers' processors converted as `cachelife.generate`
-converts them (`generation.processors`), with the positions that differ between requests (the begin index of
-suppressed tokens, minimum lengths, forced positions) held per row. Requests whose other settings differ (a
-temperature, a top-k, other suppressed tokens) have another program and wait for the batch to run theirs.
+Everyday requests' processors are values in the rows (`row_settings`): one `Program` of the per-row pipeline
+serves every mix of temperatures, top-k, top-p, penalties, suppressed and forced tokens, end and pad tokens,
+greedy rows and sampling rows alike (its sampling variant runs while a row samples). A request with other
+processors has a program of its own: transformers' processors converted as `cachelife.generate` converts them
+(`generation.processors`), with the positions that differ between requests (the begin index of suppressed
+tokens, minimum lengths, forced positions) held per row; requests of another such program wait for the batch
+to run theirs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from transformers import PreTrainedModel
 from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.processors import Called, TensorProcessor
 from cachelife.generation.rewrites import ForceAt, NoEosBefore, RepetitionPenalty, SuppressAtBegin
+from cachelife.serving.row_settings import RowSettings, pick, process
 
 # The rewritten processors' fields that hold a position of one request, held per row in a program.
 ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
@@ -34,6 +38,8 @@ ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
     NoEosBefore: ("minimum", "skip"),
     ForceAt: ("at",),
 }
+# The key of the per-row pipeline's programs (with whether it runs the sampling stages).
+PER_ROW: Final = "per-row"
 # Processors the engine's per-row step runs: those that read only the scores, and the rewrites whose
 # arithmetic holds with one length per row.
 _ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty)
@@ -114,7 +120,8 @@ class Rows:
 @frozen
 class Program:
     """The processors of a batch and how it picks tokens; `rows` are the per-row tensors of its processors'
-    `ROW_FIELDS`, (rows, 1) each, in the order `row_values` lists them."""
+    `ROW_FIELDS`, (rows, 1) each, in the order `row_values` lists them. A program of the per-row pipeline has
+    `settings` instead (and no processors): `do_sample` then says whether it runs the sampling stages."""
 
     key: tuple[object, ...]
     processors: tuple[TensorProcessor, ...]
@@ -122,6 +129,17 @@ class Program:
     do_sample: bool
     eos: torch.Tensor | None
     pad: int
+    settings: RowSettings | None = None
+
+
+def per_row_program(settings: RowSettings, *, sampling: bool) -> Program:
+    return Program((PER_ROW, sampling), (), (), sampling, None, 0, settings)
+
+
+def shares_batch(key: tuple[object, ...], other: tuple[object, ...]) -> bool:
+    """Whether requests of programs `key` and `other` may decode in one batch: the same program, or both the
+    per-row pipeline (either variant)."""
+    return key == other or (key[0] == PER_ROW and other[0] == PER_ROW)
 
 
 def unsupported_for_rows(converted: Sequence[TensorProcessor]) -> str | None:
@@ -203,6 +221,11 @@ def choose(
     `among`, only those rows take part."""
     running = rows.running() if among is None else rows.running() & among
     length = rows.length[:, None]
+    if program.settings is not None:
+        scores = process(program.settings, rows.tokens, length, logits, sampling=program.do_sample)
+        pick(program.settings, rows.tokens, rows.length, rows.unfinished, scores, noise=noise, running=running,
+             sampling=program.do_sample)  # fmt: skip
+        return
     scores = logits
     for processor in program.processors:
         scores = processor(rows.tokens, length, scores)

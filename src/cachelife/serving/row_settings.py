@@ -1,0 +1,361 @@
+"""The decoding settings of each engine row as values in tensors, so that one step serves every mix of them.
+
+transformers builds a list of processors per `generate` call, each holding its settings as Python values: a
+step compiled around one list serves only requests with those values. Here the processors `generate` builds
+for everyday requests (`_get_logits_processor`'s, in its order) become stages of one fixed pipeline whose
+settings are per-row tensors (`RowSettings`), written when a request joins its row:
+
+| stage (transformers' processor)          | per-row value                                   | off            |
+|------------------------------------------|-------------------------------------------------|----------------|
+| RepetitionPenaltyLogitsProcessor         | penalty; left padding the penalty skips         | penalty 1      |
+| MinLengthLogitsProcessor                 | minimum length (end tokens: the row's own)      | 0              |
+| MinNewTokensLengthLogitsProcessor        | minimum new tokens, prompt length               | 0              |
+| ForcedBOSTokenLogitsProcessor            | token                                           | at length -1   |
+| ForcedEOSTokenLogitsProcessor            | tokens, the length it forces them at            | at length -1   |
+| SuppressTokensLogitsProcessor            | a vocabulary mask                               | empty mask     |
+| SuppressTokensAtBeginLogitsProcessor     | a vocabulary mask, the length it applies at     | at length -1   |
+| TemperatureLogitsWarper                  | temperature                                     | 1              |
+| TopKLogitsWarper                         | k                                               | the vocabulary |
+| TopPLogitsWarper                         | 1 - p, rounded as transformers compares it      | flag           |
+| MinPLogitsWarper                         | p                                               | flag           |
+| TypicalLogitsWarper                      | mass                                            | flag           |
+| LogitNormalization                       | -                                               | flag           |
+
+plus, for picking the token: sampling or not, the end tokens (a vocabulary mask) and the pad token. Each stage
+computes what transformers' processor computes, one row's arithmetic per row; a row that has the stage off
+keeps its scores as they were (`torch.where`), bit for bit. A request whose list holds anything else (a custom
+processor, Whisper's timestamp rules, n-gram bans, an order of its own) is not `PerRow`: it runs a program of
+its own (`rows.Program`), as before.
+
+Two variants of the pipeline share the same tensors: with the sampling stages (when a row samples) and
+without (greedy rows only); the batch picks one at each step boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+from attrs import frozen
+from transformers.generation import logits_process as lp
+
+from cachelife.generation.rewrites import repetition_penalised
+
+_OFF = -1  # a length no row has: the stages that apply at one length never apply
+
+
+@frozen
+class PerRow:
+    """One request's values for the pipeline (Python values: written into a row when the request joins)."""
+
+    do_sample: bool
+    eos: tuple[int, ...]
+    pad: int
+    repetition_penalty: float = 1.0
+    repetition_ignore: int = 0
+    min_length: int = 0
+    min_new_tokens: int = 0
+    prompt_length: int = 0
+    bos: int = 0
+    bos_at: int = _OFF
+    forced_eos: tuple[int, ...] = ()
+    forced_eos_at: int = _OFF
+    suppress: tuple[int, ...] = ()
+    begin_suppress: tuple[int, ...] = ()
+    begin_at: int = _OFF
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    renormalize: bool = False
+
+    @property
+    def samples(self) -> bool:
+        return self.do_sample
+
+
+# The stages in transformers' order: a request's processors must appear in this order, each at most once.
+_ORDER: tuple[type[lp.LogitsProcessor], ...] = (
+    lp.RepetitionPenaltyLogitsProcessor,
+    lp.MinLengthLogitsProcessor,
+    lp.MinNewTokensLengthLogitsProcessor,
+    lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor,
+    lp.SuppressTokensLogitsProcessor,
+    lp.SuppressTokensAtBeginLogitsProcessor,
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.LogitNormalization,
+)
+_WARPERS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+            lp.TypicalLogitsWarper)  # fmt: skip
+
+
+def per_row(
+    processors: Sequence[lp.LogitsProcessor], *, do_sample: bool, eos: torch.Tensor | None, pad: int
+) -> PerRow | str:
+    """The request's processors as per-row values, or why they are not (a reason naming the processor)."""
+    ends = () if eos is None else tuple(int(token) for token in eos.view(-1).tolist())
+    values: dict[str, object] = {}
+    last = -1
+    for processor in processors:
+        kind = type(processor)
+        if kind not in _ORDER:
+            return f"a {kind.__name__}"
+        at = _ORDER.index(kind)
+        if at <= last:
+            return f"processors in an order of their own ({kind.__name__} after {_ORDER[last].__name__})"
+        last = at
+        if kind in _WARPERS and not do_sample:
+            return f"a {kind.__name__} without sampling"
+        found = _values(processor, ends)
+        if isinstance(found, str):
+            return found
+        values.update(found)
+    return PerRow(do_sample=do_sample, eos=ends, pad=pad, **values)  # type: ignore[arg-type]  # checked by _values
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if isinstance(value, torch.Tensor):
+        return tuple(int(token) for token in value.view(-1).tolist())
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, Sequence):
+        return tuple(int(token) for token in value)
+    msg = f"token ids as a tensor, an int or a sequence of ints, got {value!r}"
+    raise TypeError(msg)
+
+
+def _kept_filtered(processor: lp.LogitsProcessor) -> str | None:
+    """Warpers keep one token and filter to -inf in the pipeline (as `generate` builds them without beams)."""
+    if getattr(processor, "min_tokens_to_keep", 1) != 1 or getattr(processor, "filter_value", -math.inf) != -math.inf:
+        return f"a {type(processor).__name__} with min_tokens_to_keep or filter_value of its own"
+    return None
+
+
+def _values(processor: lp.LogitsProcessor, eos: tuple[int, ...]) -> dict[str, object] | str:  # noqa: PLR0911, PLR0912 (one case per stage)
+    match processor:
+        case lp.RepetitionPenaltyLogitsProcessor():
+            ignore = getattr(processor, "prompt_ignore_length", None)
+            skipped = 0 if ignore is None else _ids(ignore)
+            if isinstance(skipped, tuple) and len(skipped) != 1:
+                return "a RepetitionPenaltyLogitsProcessor of several rows"
+            return {"repetition_penalty": float(processor.penalty),
+                    "repetition_ignore": skipped if isinstance(skipped, int) else skipped[0]}  # fmt: skip
+        case lp.MinLengthLogitsProcessor():
+            if _ids(processor.eos_token_id) != eos:
+                return "a MinLengthLogitsProcessor whose end tokens are not the request's"
+            return {"min_length": int(processor.min_length)}
+        case lp.MinNewTokensLengthLogitsProcessor():
+            if _ids(processor.eos_token_id) != eos:
+                return "a MinNewTokensLengthLogitsProcessor whose end tokens are not the request's"
+            return {"min_new_tokens": int(processor.min_new_tokens),
+                    "prompt_length": int(processor.prompt_length_to_skip)}  # fmt: skip
+        case lp.ForcedBOSTokenLogitsProcessor():
+            return {"bos": int(processor.bos_token_id), "bos_at": 1}
+        case lp.ForcedEOSTokenLogitsProcessor():
+            return {"forced_eos": _ids(processor.eos_token_id), "forced_eos_at": int(processor.max_length) - 1}
+        case lp.SuppressTokensLogitsProcessor():
+            return {"suppress": _ids(processor.suppress_tokens)}
+        case lp.SuppressTokensAtBeginLogitsProcessor():
+            return {"begin_suppress": _ids(processor.begin_suppress_tokens), "begin_at": int(processor.begin_index)}
+        case lp.TemperatureLogitsWarper():
+            return {"temperature": float(processor.temperature)}
+        case lp.TopKLogitsWarper():
+            return _kept_filtered(processor) or {"top_k": int(processor.top_k)}
+        case lp.TopPLogitsWarper():
+            return _kept_filtered(processor) or {"top_p": float(processor.top_p)}
+        case lp.MinPLogitsWarper():
+            return _kept_filtered(processor) or {"min_p": float(processor.min_p)}
+        case lp.TypicalLogitsWarper():
+            return _kept_filtered(processor) or {"typical_p": float(processor.mass)}
+        case _:  # LogitNormalization
+            return {"renormalize": True}
+
+
+@frozen
+class RowSettings:
+    """Every row's values (static buffers, written by `write` at a join, read by the compiled step)."""
+
+    do_sample: torch.Tensor  # (rows,) bool
+    eos: torch.Tensor  # (rows, vocab) bool
+    pad: torch.Tensor  # (rows,) long
+    penalty: torch.Tensor  # (rows, 1) float32
+    ignore: torch.Tensor  # (rows,) long
+    min_length: torch.Tensor  # (rows, 1) long
+    min_new_tokens: torch.Tensor  # (rows, 1) long
+    prompt_length: torch.Tensor  # (rows, 1) long
+    bos: torch.Tensor  # (rows, 1) long
+    bos_at: torch.Tensor  # (rows, 1) long
+    forced_eos: torch.Tensor  # (rows, vocab) bool
+    forced_eos_at: torch.Tensor  # (rows, 1) long
+    suppress: torch.Tensor  # (rows, vocab) bool
+    begin_suppress: torch.Tensor  # (rows, vocab) bool
+    begin_at: torch.Tensor  # (rows, 1) long
+    temperature: torch.Tensor  # (rows, 1) float32
+    top_k: torch.Tensor  # (rows, 1) long: the vocabulary size where off
+    top_p_cut: torch.Tensor  # (rows, 1) float32: 1 - top_p, rounded as transformers' comparison rounds it
+    top_p_on: torch.Tensor  # (rows, 1) bool
+    min_p: torch.Tensor  # (rows, 1) float32
+    min_p_on: torch.Tensor  # (rows, 1) bool
+    typical_p: torch.Tensor  # (rows, 1) float32
+    typical_on: torch.Tensor  # (rows, 1) bool
+    renormalize: torch.Tensor  # (rows, 1) bool
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device: torch.device) -> RowSettings:
+        def flat(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(rows, dtype=dtype, device=device)
+
+        def column(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(rows, 1, dtype=dtype, device=device)
+
+        def mask() -> torch.Tensor:
+            return torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+
+        long, flag, real = torch.long, torch.bool, torch.float32
+        settings = cls(
+            do_sample=flat(flag),
+            eos=mask(),
+            pad=flat(long),
+            penalty=column(real),
+            ignore=flat(long),
+            min_length=column(long),
+            min_new_tokens=column(long),
+            prompt_length=column(long),
+            bos=column(long),
+            bos_at=column(long),
+            forced_eos=mask(),
+            forced_eos_at=column(long),
+            suppress=mask(),
+            begin_suppress=mask(),
+            begin_at=column(long),
+            temperature=column(real),
+            top_k=column(long),
+            top_p_cut=column(real),
+            top_p_on=column(flag),
+            min_p=column(real),
+            min_p_on=column(flag),
+            typical_p=column(real),
+            typical_on=column(flag),
+            renormalize=column(flag),
+        )
+        for tensor in attrs.astuple(settings, recurse=False):
+            torch._dynamo.mark_static_address(tensor)
+        for row in range(rows):
+            settings.clear(row)
+        return settings
+
+    @property
+    def vocab(self) -> int:
+        return int(self.eos.shape[1])
+
+    def write(self, row: int, values: PerRow) -> None:
+        """Row `row` decodes with `values` from the next step on."""
+        vocab = self.vocab
+        self.do_sample[row] = values.do_sample
+        _mask(self.eos[row], values.eos)
+        self.pad[row] = values.pad
+        self.penalty[row] = values.repetition_penalty
+        self.ignore[row] = values.repetition_ignore
+        self.min_length[row] = values.min_length
+        self.min_new_tokens[row] = values.min_new_tokens
+        self.prompt_length[row] = values.prompt_length
+        self.bos[row] = values.bos
+        self.bos_at[row] = values.bos_at
+        _mask(self.forced_eos[row], values.forced_eos)
+        self.forced_eos_at[row] = values.forced_eos_at
+        _mask(self.suppress[row], values.suppress)
+        _mask(self.begin_suppress[row], values.begin_suppress)
+        self.begin_at[row] = values.begin_at
+        self.temperature[row] = values.temperature
+        self.top_k[row] = vocab if values.top_k is None else min(values.top_k, vocab)
+        # transformers compares float32 probabilities with the Python float 1 - top_p: float32 of that double.
+        self.top_p_cut[row] = 0.0 if values.top_p is None else 1 - values.top_p
+        self.top_p_on[row] = values.top_p is not None
+        self.min_p[row] = 0.0 if values.min_p is None else values.min_p
+        self.min_p_on[row] = values.min_p is not None
+        self.typical_p[row] = 1.0 if values.typical_p is None else values.typical_p
+        self.typical_on[row] = values.typical_p is not None
+        self.renormalize[row] = values.renormalize
+
+    def clear(self, row: int) -> None:
+        """Row `row` holds no request: every stage off, greedy."""
+        self.write(row, PerRow(do_sample=False, eos=(), pad=0))
+
+
+def _mask(row: torch.Tensor, ids: tuple[int, ...]) -> None:
+    row.zero_()
+    if ids:
+        row[torch.tensor(ids, dtype=torch.long, device=row.device)] = True
+
+
+def process(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor, *,
+            sampling: bool) -> torch.Tensor:  # fmt: skip
+    """Every row's scores (rows, vocab; float32) through the pipeline with its own values; `length` (rows, 1)
+    is each row's token count. Without `sampling`, the sampling stages are left out (no row samples)."""
+    s = settings
+    inf = -math.inf
+    penalised = repetition_penalised(tokens, length, scores, s.penalty, s.ignore)
+    scores = torch.where(s.penalty != 1.0, penalised, scores)
+    scores = torch.where(s.eos & (length < s.min_length), inf, scores)
+    scores = torch.where(s.eos & (length - s.prompt_length < s.min_new_tokens), inf, scores)
+    ids = torch.arange(scores.shape[-1], device=scores.device)[None, :]
+    scores = torch.where(length == s.bos_at, torch.where(ids == s.bos, 0.0, inf), scores)
+    scores = torch.where(length == s.forced_eos_at, torch.where(s.forced_eos, 0.0, inf), scores)
+    scores = torch.where(s.suppress, inf, scores)
+    scores = torch.where(s.begin_suppress & (length == s.begin_at), inf, scores)
+    if sampling:
+        scores = _warped(s, scores)
+    return torch.where(s.renormalize, scores.log_softmax(dim=-1), scores)
+
+
+def _warped(s: RowSettings, scores: torch.Tensor) -> torch.Tensor:
+    """The sampling stages, each as transformers' warper computes it for one row (rows that do not sample have
+    every one off)."""
+    inf = -math.inf
+    scores = scores / s.temperature
+    # TopK: the k-th largest score per row (the vocabulary's smallest where off: nothing below it).
+    kth = scores.sort(dim=-1, descending=True).values.gather(1, s.top_k - 1)
+    scores = scores.masked_fill(scores < kth, inf)
+    # TopP
+    ascending, order = torch.sort(scores, descending=False)
+    cut = ascending.softmax(dim=-1).cumsum(dim=-1) <= s.top_p_cut
+    cut[..., -1:] = False
+    scores = torch.where(s.top_p_on, scores.masked_fill(cut.scatter(1, order, cut), inf), scores)
+    # MinP
+    probabilities = scores.softmax(dim=-1)
+    low = probabilities < s.min_p * probabilities.amax(dim=-1, keepdim=True)
+    low = low.scatter(-1, torch.topk(probabilities, 1, dim=-1).indices, False)
+    scores = torch.where(s.min_p_on, scores.masked_fill(low, inf), scores)
+    # Typical
+    normalized = scores.log_softmax(dim=-1)
+    entropy = -(normalized * normalized.exp()).nansum(-1, keepdim=True)
+    shifted, order = torch.sort((-normalized - entropy).abs(), descending=False)
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < s.typical_p).sum(dim=1).clamp(max=shifted.shape[-1] - 1)
+    atypical = shifted > shifted.gather(1, last.view(-1, 1))
+    atypical[..., :1] = False
+    return torch.where(s.typical_on, scores.masked_fill(atypical.scatter(1, order, atypical), inf), scores)
+
+
+def pick(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, unfinished: torch.Tensor,
+         scores: torch.Tensor, *, noise: torch.Tensor, running: torch.Tensor, sampling: bool) -> None:  # fmt: skip
+    """Each running row's token (argmax, or an exponential race against `noise` where the row samples), the
+    row's pad once it has ended, appended at its `length`: `greedy.pick_and_append` with a row's own rule."""
+    token = scores.argmax(dim=-1)
+    if sampling:
+        raced = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1)
+        token = torch.where(settings.do_sample, raced, token)
+    token = torch.where(unfinished, token, settings.pad)
+    ended = unfinished & ~settings.eos.gather(1, token[:, None]).squeeze(1)
+    column = torch.arange(tokens.shape[1], device=token.device)[None, :] == length.reshape(-1, 1)
+    tokens.copy_(torch.where(column & running.reshape(-1, 1), token[:, None], tokens))
+    unfinished.copy_(torch.where(running, ended, unfinished))
+    length.add_(running.long())
