@@ -20,6 +20,9 @@ random features) are served, per path:
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
 - `engine_cudnn`: `engine` with its steps allowed torch's cuDNN attention (as before they kept to attention that
   repeats exactly: the cost of repeatable attention);
+- `engine_sampling_one` and `engine_sampling_mixed`: `engine` with every request sampling (seeded), all with one
+  setting (temperature 0.8, top-k 50, top-p 0.95), or with 16 settings spread over the requests (temperatures,
+  top-k, top-p, min-p and repetition penalties of their own): what a mix of client-chosen settings costs;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
 A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that
 nothing done the first time (compilation, captures, a prompt length that transformers' eager prefill has not
@@ -146,7 +149,31 @@ def one_at_a_time(
     return time.perf_counter() - started, latencies, outputs, firsts if ttft else None
 
 
-def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int, *, ttft: bool = False) -> Any:
+ONE_SETTING: Request = {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95}
+
+
+def mixed_setting(index: int) -> Request:
+    """The 16 settings of `engine_sampling_mixed`, by request index."""
+    kind = index % 16
+    setting: Request = {"do_sample": True, "temperature": 0.6 + 0.05 * kind, "top_k": (0, 20, 50, 100)[kind % 4]}
+    if kind % 3 == 1:
+        setting["top_p"] = 0.9
+    if kind % 5 == 2:
+        setting["min_p"] = 0.05
+    if kind % 7 == 3:
+        setting["repetition_penalty"] = 1.1
+    return setting
+
+
+def sampling_requests(requests: list[Request], mixed: bool) -> list[Request]:
+    """Every request sampling, seeded by its index (`_seed`, which `with_engine` turns into a generator)."""
+    return [{**request, **(mixed_setting(index) if mixed else ONE_SETTING), "_seed": index}
+            for index, request in enumerate(requests)]  # fmt: skip
+
+
+def with_engine(
+    engine: cachelife.Engine, requests: list[Request], clients: int, *, device: torch.device, ttft: bool = False
+) -> Any:
     latencies: list[float] = [0.0] * len(requests)
     firsts: list[float] = [math.nan] * len(requests)
     outputs: list[torch.Tensor] = [torch.empty(0)] * len(requests)
@@ -154,8 +181,11 @@ def with_engine(engine: cachelife.Engine, requests: list[Request], clients: int,
     def client(indices: list[int]) -> None:
         for index in indices:
             streamer = FirstToken() if ttft else None
+            request = dict(requests[index])
+            seed = request.pop("_seed", None)
+            generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
             began = time.perf_counter()
-            outputs[index] = engine.submit(**requests[index], streamer=streamer).result()
+            outputs[index] = engine.submit(**request, streamer=streamer, generator=generator).result()
             latencies[index] = time.perf_counter() - began
             firsts[index] = timed(streamer, began)
 
@@ -209,7 +239,7 @@ def eager_prefills() -> Iterator[None]:
 
 def engine_runs(
     out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
-    new: int, label: str = "engine",
+    new: int, label: str = "engine", judge_tokens: bool = True,
 ) -> None:  # fmt: skip
     """One engine, warmed up, then every request from each `--clients` count of client threads."""
     longest = int(args.new_tokens.split(",")[1])
@@ -220,11 +250,13 @@ def engine_runs(
         profile_scheduler(args.profile_scheduler)
     with cachelife.Engine(model, **options) as engine:
         # Warm-up: compile, capture, every prompt shape once. Its tokens are what every later run must repeat.
-        _, _, first, _ = with_engine(engine, requests, args.rows)
-        verdicts = judged(model, requests, first, args.verdicts)
+        _, _, first, _ = with_engine(engine, requests, args.rows, device=model.device)
+        verdicts = judged(model, requests, first, args.verdicts if judge_tokens else 0)
         for clients in (int(c) for c in args.clients.split(",")):
             before = engine.stats()
-            wall, latencies, outputs, firsts = with_engine(engine, requests, clients, ttft=args.ttft)
+            wall, latencies, outputs, firsts = with_engine(
+                engine, requests, clients, device=model.device, ttft=args.ttft
+            )
             after = engine.stats()
             same = [reference is not None and torch.equal(got, want)
                     for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
@@ -233,6 +265,7 @@ def engine_runs(
                      "same_tokens_as_warm_up": repeated, **verdicts,
                      "equal_to_sequential": all(same), "requests_equal": sum(same),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
+                     "programs": after.programs,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
                      "scheduler_prefill_s": round(after.prefill_seconds - before.prefill_seconds, 4),
                      "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4),
@@ -345,6 +378,9 @@ def main() -> int:
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)
             with instrument.get(path, contextlib.nullcontext)():
                 engine_runs(out, model, requests, args, reference=reference, new=new, label=label)
+        if path in ("engine_sampling_one", "engine_sampling_mixed"):
+            sampled = sampling_requests(requests, mixed=path.endswith("mixed"))
+            engine_runs(out, model, sampled, args, reference=None, new=new, label=path, judge_tokens=False)
     if "auto" in paths:
         auto = auto_compile(device)
 

@@ -91,3 +91,37 @@ def test_left_padded_requests_under_graphs_equal_generate(steps_per_call: int) -
         results = [future.result(timeout=600) for future in [engine.submit(**request) for request in requests]]
     for index, (request, result) in enumerate(zip(requests, results, strict=True)):
         assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
+
+
+def test_a_mix_of_settings_under_graphs_shares_one_program_and_equals_generate() -> None:
+    # Every everyday setting at once (greedy and sampling rows, penalties, suppressed tokens, minimum lengths, end
+    # tokens of their own), replayed from the per-row pipeline's graphs: each request equals its own seeded
+    # cachelife.generate, and greedy ones model.generate.
+    built = zoo.build("llama-small", device="cuda")
+    settings: list[dict[str, Any]] = [
+        {},
+        {"repetition_penalty": 1.3},
+        {"do_sample": True, "temperature": 0.7, "top_k": 0},
+        {"do_sample": True, "temperature": 1.2, "top_k": 5},
+        {"do_sample": True, "top_p": 0.8, "top_k": 0},
+        {"do_sample": True, "min_p": 0.1, "top_k": 0, "repetition_penalty": 1.2},
+        {"do_sample": True, "typical_p": 0.9, "top_k": 0},
+        {"suppress_tokens": [3, 5, 7], "min_new_tokens": 4, "eos_token_id": [4, 9]},
+    ]
+    requests = [{**request, **setting} for request, setting in zip(requests_of(built, 8, sampling=False), settings,
+                                                                    strict=True)]  # fmt: skip
+
+    def seeded(index: int) -> torch.Generator:
+        return torch.Generator(device="cuda").manual_seed(100 + index)
+
+    with Engine(built.model, rows=4, max_length=48) as engine:
+        futures = [engine.submit(**request, generator=seeded(i)) for i, request in enumerate(requests)]
+        results = [future.result(timeout=600) for future in futures]
+        programs = engine.stats().programs
+    assert programs <= 2
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(built.model, fallback=False, generator=seeded(index), **request)
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), (index, request)
+        if not request.get("do_sample"):
+            assert torch.equal(result, zoo.generate_tokens(built.model, request)), (index, request)
