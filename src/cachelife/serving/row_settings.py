@@ -46,6 +46,19 @@ from cachelife.generation.rewrites import repetition_penalised
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
 
 
+@torch.library.custom_op("cachelife::cumulative_sum", mutates_args=())
+def cumulative_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values.cumsum(dim=-1)` as torch's own kernel computes it, also within a compiled step: inductor's scan of a
+    (rows, vocabulary) tensor fails to generate on CUDA (torch 2.11), and the kernel's sums are eager
+    transformers' sums."""
+    return values.cumsum(dim=-1)
+
+
+@cumulative_sum.register_fake
+def _(values: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(values)
+
+
 @frozen
 class PerRow:
     """One request's values for the pipeline (Python values: written into a row when the request joins)."""
@@ -326,7 +339,7 @@ def _warped(s: RowSettings, scores: torch.Tensor) -> torch.Tensor:
     scores = scores.masked_fill(scores < kth, inf)
     # TopP
     ascending, order = torch.sort(scores, descending=False)
-    cut = ascending.softmax(dim=-1).cumsum(dim=-1) <= s.top_p_cut
+    cut = cumulative_sum(ascending.softmax(dim=-1)) <= s.top_p_cut
     cut[..., -1:] = False
     scores = torch.where(s.top_p_on, scores.masked_fill(cut.scatter(1, order, cut), inf), scores)
     # MinP
@@ -338,7 +351,7 @@ def _warped(s: RowSettings, scores: torch.Tensor) -> torch.Tensor:
     normalized = scores.log_softmax(dim=-1)
     entropy = -(normalized * normalized.exp()).nansum(-1, keepdim=True)
     shifted, order = torch.sort((-normalized - entropy).abs(), descending=False)
-    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    cumulative = cumulative_sum(scores.gather(-1, order).softmax(dim=-1))
     last = (cumulative < s.typical_p).sum(dim=1).clamp(max=shifted.shape[-1] - 1)
     atypical = shifted > shifted.gather(1, last.view(-1, 1))
     atypical[..., :1] = False
