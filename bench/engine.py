@@ -263,7 +263,7 @@ def engine_runs(
             repeated = all(torch.equal(got, want) for got, want in zip(outputs, first, strict=True))
             out.add({**summary(f"{label}_c{clients}", wall, latencies, new, firsts), "clients": clients,
                      "same_tokens_as_warm_up": repeated, **verdicts,
-                     "equal_to_sequential": all(same), "requests_equal": sum(same),
+                     **({"equal_to_sequential": all(same), "requests_equal": sum(same)} if reference else {}),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
                      "programs": after.programs,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
@@ -310,6 +310,7 @@ def file_stem(args: Any) -> str:
     stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
     stem += "-ttft" if args.ttft else ""
     stem += f"-beams{args.num_beams}" if args.num_beams > 1 else ""
+    stem += "-sampling" if any(path.startswith("engine_sampling") for path in args.paths.split(",")) else ""
     return stem + (f"-switch{1000 * args.switch_interval:g}ms" if args.switch_interval is not None else "")
 
 

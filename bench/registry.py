@@ -390,6 +390,16 @@ _ENTRIES = (
         "and the verdict against transformers",
         "cuda", "engine-llama-3.2-1b-cuda-*.json",
     ),
+    Benchmark(
+        "engine-sampling-llama", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16", "--requests", "64",
+         "--rows", "16", "--new-tokens", "64,128", "--paths", "engine,engine_sampling_one,engine_sampling_mixed",
+         "--verdicts", "4"),
+        "cachelife.Engine (16 rows, 16 clients), Llama-3.2-1B shape, bf16, 64 requests of 16-128 prompt and 64-128 "
+        "new tokens: greedy (with the verdict against transformers), every request sampling with one setting, and "
+        "with 16 settings spread over the requests (the per-row pipeline: one program for every mix)",
+        "cuda", "engine-llama-3.2-1b-sampling-cuda-*.json",
+    ),
     # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
     Benchmark(
         "planted-bugs-cpu", "bench.planted_bugs", ("--device", "cpu"),
