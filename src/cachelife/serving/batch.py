@@ -12,7 +12,6 @@ table; the device buffers are `rows`' (and a beam program's state, `beam_groups`
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from cachelife.serving.model_facts import (
     vocab_size,
 )
 from cachelife.serving.prefill import Prefill
+from cachelife.serving.programs import Programs
 from cachelife.serving.requests import Joining, first_sequence, hand_back
 from cachelife.serving.row_settings import RowSettings
 from cachelife.serving.row_writes import RowWrites, layer_tensors
@@ -53,11 +53,6 @@ from cachelife.serving.rows import (
 )
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.window import Occupant, Placement, place
-
-# Programs of their own (requests whose processors are not the per-row pipeline's, beam searches) a batch keeps:
-# past this many, the least recently used one not running is dropped (its graphs stay in the model's runtime,
-# which keeps the most recently used ones).
-KEPT_PROGRAMS = 8
 
 
 @define
@@ -109,8 +104,8 @@ class Batch:
             torch._dynamo.mark_static_address(buffer)
         self.slots = [Slot(row) for row in range(rows)]
         self.seats: dict[int, _Seat] = {}
-        self.programs: OrderedDict[tuple[object, ...], tuple[Program | BeamProgram, Callable[[], int]]] = OrderedDict()
-        self.beam_states: dict[tuple[object, ...], BeamState] = {}
+        self.programs = Programs()
+        self.beam_states = self.programs.beam_states
         self.program: Program | BeamProgram | None = None
         self.slot = 0  # where every row writes its next key and value
         self.steps = 0
@@ -298,17 +293,14 @@ class Batch:
 
     def _per_row(self, *, sampling: bool) -> Program:
         key: tuple[object, ...] = (PER_ROW, sampling)
-        if key not in self.programs:
+        if self.programs.get(key) is None:
             program = per_row_program(self.row_settings, sampling=sampling)
-            self.programs[key] = (program, self._stepper(program))
+            self.programs.add(key, (program, self._stepper(program)), running=None)
         return self.programs[key][0]  # type: ignore[return-value]  # a per-row key holds a Program
 
     def _program_for(self, joining: Joining) -> Program | BeamProgram:
         found = self.programs.get(joining.key)
-        if found is not None:
-            self.programs.move_to_end(joining.key)
-        else:
-            self._drop_unused_programs(keep=KEPT_PROGRAMS - 1)
+        if found is None:
             config = joining.config
             pad = special_tokens(config, "_pad_token_tensor")
             if joining.beams > 1:
@@ -319,18 +311,8 @@ class Batch:
                     eos=eos_ids(config), pad=0 if pad is None else int(pad),
                 )  # fmt: skip
                 found = (program, self._stepper(program))
-            self.programs[joining.key] = found
+            self.programs.add(joining.key, found, running=None if self.program is None else self.program.key)
         return found[0]
-
-    def _drop_unused_programs(self, *, keep: int) -> None:
-        """Drop the least recently used programs of their own (not the per-row pipeline's, not the one running)
-        until at most `keep` are left."""
-        own = [key for key in self.programs if key[0] != PER_ROW]
-        for key in own[: max(len(own) - keep, 0)]:
-            if self.program is not None and key == self.program.key:
-                continue
-            del self.programs[key]
-            self.beam_states.pop(key, None)
 
     def _beam_program(self, joining: Joining) -> tuple[BeamProgram, Callable[[], int]]:
         config, device = joining.config, self.model.device

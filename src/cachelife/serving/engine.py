@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -49,6 +49,7 @@ from cachelife.serving.requests import (
     hand_back,
     own_copy,
     prepared_processors,
+    resolve,
     wait_for,
 )
 from cachelife.serving.row_settings import PerRow, per_row
@@ -262,7 +263,7 @@ class Engine:
             return
         self._release(request)
         msg = f"the request was not served within its timeout of {request.timeout} s"
-        _resolve(request.future, error=RequestTimeoutError(msg))
+        resolve(request.future, error=RequestTimeoutError(msg))
 
     def _run(self, request: Request) -> None:
         if request.future.done():  # cancelled or expired while it waited for a thread
@@ -279,10 +280,10 @@ class Engine:
             output = type(self._model).generate(self._model, **request.kwargs, custom_generate=method)
         except BaseException as error:
             self._release(request)
-            _resolve(request.future, error=error)
+            resolve(request.future, error=error)
             return
         self._release(request)
-        _resolve(request.future, result=output)
+        resolve(request.future, result=output)
 
     def _decode(
         self,
@@ -388,14 +389,3 @@ class Engine:
                     return
                 self._waiting.popleft()
             self._batch.join(head, *room)
-
-
-def _resolve(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
-    """Set the future's outcome unless it already has one (cancelled, or failed by its deadline)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass

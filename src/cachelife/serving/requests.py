@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any
 
 import torch
@@ -255,3 +255,14 @@ def first_sequence(model_kwargs: dict[str, Any], rows: int) -> dict[str, Any]:
         return value
 
     return {name: first(value) for name, value in model_kwargs.items()}
+
+
+def resolve(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set the future's outcome unless it already has one (cancelled, or failed by its deadline)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
