@@ -672,26 +672,11 @@ def test_close_without_waiting_leaves_no_thread_behind(llama: zoo.ZooModel) -> N
     _until(lambda: not any(thread.is_alive() for thread in started), seconds=30)
 
 
-# Requests of every everyday setting: greedy and sampling rows, penalties, suppressed tokens, minimum lengths,
-# end tokens of their own.
-MIXED_SETTINGS: list[dict[str, Any]] = [
-    {},
-    {"repetition_penalty": 1.3},
-    {"do_sample": True, "temperature": 0.7, "top_k": 0},
-    {"do_sample": True, "temperature": 1.2, "top_k": 5},
-    {"do_sample": True, "top_p": 0.8, "top_k": 0},
-    {"do_sample": True, "min_p": 0.1, "top_k": 0, "repetition_penalty": 1.2},
-    {"do_sample": True, "typical_p": 0.9, "top_k": 0},
-    {"suppress_tokens": [3, 5, 7], "min_new_tokens": 4, "eos_token_id": [4, 9]},
-    {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "begin_suppress_tokens": [1, 2]},
-]
-
-
 @pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_mix_of_settings_decodes_together_each_as_its_own_generate(llama: zoo.ZooModel, compile_step: bool) -> None:
     # Every request's settings are values in its row: all of them share the per-row pipeline (its greedy and
     # sampling variants), and each request equals its own cachelife.generate with the same seed.
-    pairs = zip(requests_of(llama, 9), MIXED_SETTINGS, strict=True)
+    pairs = zip(requests_of(llama, 9), zoo.mixed_settings(), strict=True)
     requests = [{**request, **settings} for request, settings in pairs]
 
     def seeded(index: int) -> torch.Generator:

@@ -98,16 +98,7 @@ def test_a_mix_of_settings_under_graphs_shares_one_program_and_equals_generate()
     # tokens of their own), replayed from the per-row pipeline's graphs: each request equals its own seeded
     # cachelife.generate, and greedy ones model.generate.
     built = zoo.build("llama-small", device="cuda")
-    settings: list[dict[str, Any]] = [
-        {},
-        {"repetition_penalty": 1.3},
-        {"do_sample": True, "temperature": 0.7, "top_k": 0},
-        {"do_sample": True, "temperature": 1.2, "top_k": 5},
-        {"do_sample": True, "top_p": 0.8, "top_k": 0},
-        {"do_sample": True, "min_p": 0.1, "top_k": 0, "repetition_penalty": 1.2},
-        {"do_sample": True, "typical_p": 0.9, "top_k": 0},
-        {"suppress_tokens": [3, 5, 7], "min_new_tokens": 4, "eos_token_id": [4, 9]},
-    ]
+    settings = zoo.mixed_settings()[:8]
     requests = [{**request, **setting} for request, setting in zip(requests_of(built, 8, sampling=False), settings,
                                                                     strict=True)]  # fmt: skip
 

@@ -306,6 +306,22 @@ def build(
     return ZooModel(model, _token_inputs(model, int(config.vocab_size)))
 
 
+def mixed_settings() -> list[dict[str, Any]]:
+    """Everyday generation settings, one per request: greedy and sampling, penalties, suppressed tokens, minimum
+    lengths, end tokens of their own (the engine decodes them together, each as values in its row)."""
+    return [
+        {},
+        {"repetition_penalty": 1.3},
+        {"do_sample": True, "temperature": 0.7, "top_k": 0},
+        {"do_sample": True, "temperature": 1.2, "top_k": 5},
+        {"do_sample": True, "top_p": 0.8, "top_k": 0},
+        {"do_sample": True, "min_p": 0.1, "top_k": 0, "repetition_penalty": 1.2},
+        {"do_sample": True, "typical_p": 0.9, "top_k": 0},
+        {"suppress_tokens": [3, 5, 7], "min_new_tokens": 4, "eos_token_id": [4, 9]},
+        {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "begin_suppress_tokens": [1, 2]},
+    ]
+
+
 def generate_tokens(model: PreTrainedModel, inputs: Inputs, **settings: Any) -> torch.Tensor:
     """`model.generate(**inputs, **settings)`, narrowed to the token tensor it returns by default."""
     output = model.generate(**inputs, **settings)
