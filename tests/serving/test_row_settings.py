@@ -26,7 +26,7 @@ ROWS: list[tuple[bool, Callable[[], list[lp.LogitsProcessor]]]] = [
     (
         True,
         lambda: [
-            lp.RepetitionPenaltyLogitsProcessor(1.2, prompt_ignore_length=torch.tensor([2])),
+            lp.RepetitionPenaltyLogitsProcessor(1.2, prompt_ignore_length=2),
             lp.MinLengthLogitsProcessor(6, EOS),
             lp.MinNewTokensLengthLogitsProcessor(4, 3, EOS),
             lp.SuppressTokensAtBeginLogitsProcessor([5, 6], 6),
