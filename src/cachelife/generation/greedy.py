@@ -91,7 +91,16 @@ def pick_and_append(
     if eos is not None:
         token = torch.where(unfinished, token, pad)
         ended = unfinished & ~torch.isin(token, eos)
+    append(tokens, length, unfinished, token, open_after=ended, running=running)
+
+
+def append(
+    tokens: torch.Tensor, length: torch.Tensor, unfinished: torch.Tensor, token: torch.Tensor, *,
+    open_after: torch.Tensor, running: torch.Tensor,
+) -> None:  # fmt: skip
+    """Write each row's picked `token` at its `length` where `running`, and whether the row is still open after
+    it (`open_after`), in place."""
     column = torch.arange(tokens.shape[1], device=token.device)[None, :] == length.reshape(-1, 1)
     tokens.copy_(torch.where(column & running.reshape(-1, 1), token[:, None], tokens))
-    unfinished.copy_(torch.where(running, ended, unfinished))
+    unfinished.copy_(torch.where(running, open_after, unfinished))
     length.add_(running.long())

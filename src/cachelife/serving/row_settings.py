@@ -41,6 +41,7 @@ import torch
 from attrs import frozen
 from transformers.generation import logits_process as lp
 
+from cachelife.generation.greedy import append
 from cachelife.generation.rewrites import repetition_penalised
 
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
@@ -84,10 +85,6 @@ class PerRow:
     min_p: float | None = None
     typical_p: float | None = None
     renormalize: bool = False
-
-    @property
-    def samples(self) -> bool:
-        return self.do_sample
 
 
 # The stages in transformers' order: a request's processors must appear in this order, each at most once.
@@ -367,8 +364,5 @@ def pick(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, unfi
         raced = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1)
         token = torch.where(settings.do_sample, raced, token)
     token = torch.where(unfinished, token, settings.pad)
-    ended = unfinished & ~settings.eos.gather(1, token[:, None]).squeeze(1)
-    column = torch.arange(tokens.shape[1], device=token.device)[None, :] == length.reshape(-1, 1)
-    tokens.copy_(torch.where(column & running.reshape(-1, 1), token[:, None], tokens))
-    unfinished.copy_(torch.where(running, ended, unfinished))
-    length.add_(running.long())
+    open_after = unfinished & ~settings.eos.gather(1, token[:, None]).squeeze(1)
+    append(tokens, length, unfinished, token, open_after=open_after, running=running)
