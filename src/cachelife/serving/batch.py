@@ -18,15 +18,14 @@ from typing import Any
 import torch
 from attrs import define
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
-from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
+from cachelife.serving.encoder_rows import EncoderRow, padded_encoder_row, write_encoder_row
 from cachelife.serving.model_facts import (
     check_memory,
     check_positions,
@@ -53,12 +52,6 @@ from cachelife.serving.rows import (
 )
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.window import Occupant, Placement, place
-
-
-@define
-class _EncoderRow:
-    hidden: torch.Tensor  # (1, encoder length, hidden)
-    mask: torch.Tensor | None  # (1, encoder length), for models that mask the encoder's padding
 
 
 @define
@@ -170,7 +163,7 @@ class Batch:
 
     def _place(
         self, first: int, joining: Joining, placement: Placement, *, program: Program | BeamProgram,
-        logits: torch.Tensor, encoder: _EncoderRow | None,
+        logits: torch.Tensor, encoder: EncoderRow | None,
     ) -> int:  # fmt: skip
         """Move the rows as the placement says, copy the prefill into the request's rows from `first`, pick the
         first token (or take the beams' first step); the rows' first slot."""
@@ -182,9 +175,7 @@ class Batch:
         for row in range(first, first + joining.beams):
             self.writes.write(row, start, self.slot)
             if encoder is not None:
-                self.step_inputs["encoder hidden"][row].copy_(encoder.hidden[0])
-                if encoder.mask is not None:
-                    self.step_inputs["attention_mask"][row].copy_(encoder.mask[0])
+                write_encoder_row(self.step_inputs, row, encoder)
             self.rows.start(row, joining.input_ids[:1], joining.max_length, start, joining.padding)
             if joining.per_row is not None:
                 self.row_settings.write(row, joining.per_row)
@@ -353,38 +344,20 @@ class Batch:
             settings=self.settings, fixed_buffers=True, live_settings=True,  # joins write the program's rows
         )  # fmt: skip
 
-    def _prefill(self, joining: Joining) -> tuple[torch.Tensor, _EncoderRow | None]:
+    def _prefill(self, joining: Joining) -> tuple[torch.Tensor, EncoderRow | None]:
         """The newcomer's prompt through the prefill on the scratch cache: its last logits, and its encoder
         output (and mask) at the engine's encoder length."""
         kwargs = first_sequence(joining.model_kwargs, joining.beams)
         for stale in ("cache", "past_key_values"):
             kwargs.pop(stale, None)
         kwargs[self.names.cache] = self.scratch
-        encoder = None if self.encoder_length is None else self._encoder_inputs(kwargs, self.encoder_length)
+        encoder = None
+        if self.encoder_length is not None:
+            encoder = padded_encoder_row(
+                kwargs, width=self.encoder_length, rows=len(self.slots), step_inputs=self.step_inputs,
+                masked=self.names.positions is None,  # Whisper's (position ids) has no padding to mask
+            )  # fmt: skip
         return self.prefill(joining.input_ids[:1], joining.config, kwargs), encoder
-
-    def _encoder_inputs(self, kwargs: dict[str, Any], width: int) -> _EncoderRow:
-        """The newcomer's encoder output (and mask) padded to the engine's encoder length, in `kwargs`."""
-        hidden: torch.Tensor = kwargs["encoder_outputs"][0]
-        length = int(hidden.shape[1])
-        if length > width:
-            msg = f"the request's encoder output has {length} positions, the engine's encoder_length is {width}"
-            raise InvalidArgumentError(msg)
-        padded = hidden.new_zeros(1, width, hidden.shape[2])
-        padded[:, :length] = hidden
-        kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=padded)
-        if "encoder hidden" not in self.step_inputs:
-            self.step_inputs["encoder hidden"] = _static(hidden.new_zeros(len(self.slots), width, hidden.shape[2]))
-            self.step_inputs["encoder_outputs"] = BaseModelOutput(last_hidden_state=self.step_inputs["encoder hidden"])
-        if self.names.positions is not None:  # Whisper: no padding to mask
-            return _EncoderRow(padded, None)
-        mask = kwargs.get("attention_mask")
-        full = torch.zeros(1, width, dtype=torch.long, device=hidden.device)
-        full[:, :length] = mask if isinstance(mask, torch.Tensor) else 1
-        kwargs["attention_mask"] = full
-        if "attention_mask" not in self.step_inputs:
-            self.step_inputs["attention_mask"] = _static(torch.ones_like(full).expand(len(self.slots), -1).clone())
-        return _EncoderRow(padded, full)
 
     def _first_token(self, row: int, joining: Joining, logits: torch.Tensor, program: Program) -> None:
         """The prefill's token, chosen with the row's processors and its generator's first draw."""
@@ -409,8 +382,3 @@ class Batch:
             seat.end += shift
             for row in range(first, first + seat.size):
                 self.rows.attend_from(row, seat.start + seat.joining.padding)
-
-
-def _static(tensor: torch.Tensor) -> torch.Tensor:
-    torch._dynamo.mark_static_address(tensor)
-    return tensor
