@@ -3,15 +3,12 @@ order, and `end()`; `stop_strings`, `max_time` and custom `stopping_criteria` st
 
 from __future__ import annotations
 
-import string
 from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
-from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 import cachelife
 from cachelife.tools import zoo
@@ -175,21 +172,12 @@ def test_a_criterion_that_stops_every_row_ends_the_call_there() -> None:
     assert got.shape[1] < free.shape[1]
 
 
-def letters_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A tokenizer built in code: single letters, then `<i>` for every other id (no download)."""
-    vocab = {letter: index for index, letter in enumerate(string.ascii_lowercase)}
-    vocab.update({f"<{index}>": index for index in range(len(vocab), vocab_size)})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend)  # type: ignore[no-untyped-call]  # transformers leaves it untyped
-
-
 def test_stop_strings_with_a_tokenizer_stop_where_generate_stops() -> None:
     built = build("llama", eos=True)
     built.model.generation_config.eos_token_id = 3
     built.model.generation_config.pad_token_id = 0
     inputs = built.inputs(2, 9, 1)
-    tokenizer = letters_tokenizer(int(built.model.config.vocab_size))
+    tokenizer = zoo.letters_tokenizer(int(built.model.config.vocab_size))
     free = zoo.generate_tokens(built.model, inputs, max_new_tokens=NEW)
     stop = tokenizer.decode([int(free[1, 14])])
     settings: dict[str, Any] = {"max_new_tokens": NEW, "stop_strings": [stop], "tokenizer": tokenizer}

@@ -24,6 +24,7 @@ from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState, buffer_width
 from cachelife.generation.steps import LoopSettings, stepper
+from cachelife.serving.admission import BatchView
 from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
 from cachelife.serving.encoder_rows import EncoderRow, padded_encoder_row, write_encoder_row
 from cachelife.serving.model_facts import (
@@ -48,10 +49,9 @@ from cachelife.serving.rows import (
     engine_steps,
     per_row_program,
     row_values,
-    shares_batch,
 )
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
-from cachelife.serving.window import Occupant, Placement, place
+from cachelife.serving.window import Occupant, Placement
 
 
 @define
@@ -62,6 +62,7 @@ class _Seat:
     start: int
     end: int
     streamed: int  # the row's tokens handed to its request's streamer so far (the prompt's by generate)
+    checked: int  # the row's tokens its host-side stopping criteria have seen (the prompt's at first)
     size: int = 1
     unused: int = 0  # leading noise buffers holding draws no step used yet
 
@@ -106,20 +107,14 @@ class Batch:
         self.joins = 0
         self.prefill_seconds = 0.0  # the scheduler's wall seconds in newcomers' prefills
 
-    def has_room_for(self, joining: Joining) -> tuple[int, Placement] | None:
-        """Where `joining` goes if it may join now (its first row, and where in the cache): free rows, the same
-        program, room in the cache."""
-        first = self._free_rows(joining.beams)
-        if first is None:
-            return None
-        if self.seats and self.program is not None and not shares_batch(joining.key, self.program.key):
-            return None
-        occupants = [Occupant(seat.start, seat.end) for seat in self.seats.values()]
-        placement = place(
-            slot=self.slot, width=self.width, steps_per_call=self.settings.steps_per_call, occupants=occupants,
-            prompt=joining.prompt, remaining=joining.max_length - joining.prompt - 1,
+    def view(self) -> BatchView:
+        """The batch as admission (`admission.plan`) sees it."""
+        return BatchView(
+            free=tuple(isinstance(slot.state, Free) for slot in self.slots),
+            program=None if self.program is None else self.program.key,
+            occupants=tuple(Occupant(seat.start, seat.end) for seat in self.seats.values()),
+            slot=self.slot, width=self.width, steps_per_call=self.settings.steps_per_call,
         )  # fmt: skip
-        return None if placement is None else (first, placement)
 
     def join(self, joining: Joining, first: int, placement: Placement) -> None:
         """Write the newcomer's prompt into its free rows from `first` so that it ends before the placement's
@@ -152,14 +147,7 @@ class Batch:
             slot.move("start", Decoding(joining.request.number, start))
         self.joins += 1
         end = self.slot + joining.max_length - joining.prompt - 1
-        self.seats[first] = _Seat(joining, start, end, joining.prompt, joining.beams)
-
-    def _free_rows(self, size: int) -> int | None:
-        """The first row of `size` free neighbouring rows at a multiple of `size`, or None."""
-        for first in range(0, len(self.slots) - size + 1, size):
-            if all(isinstance(slot.state, Free) for slot in self.slots[first : first + size]):
-                return first
-        return None
+        self.seats[first] = _Seat(joining, start, end, joining.prompt, joining.prompt, joining.beams)
 
     def _place(
         self, first: int, joining: Joining, placement: Placement, *, program: Program | BeamProgram,
@@ -230,12 +218,25 @@ class Batch:
             if joining.abandoned:
                 self.end(row)
                 continue
-            if joining.streamer is not None and lengths[row] > seat.streamed:  # a copy: the row is reused
-                joining.streamed.append(self.rows.tokens[row, seat.streamed : lengths[row]].to("cpu", copy=True))
-                seat.streamed = lengths[row]
+            length = lengths[row]
+            stopped = self._stopped_on_host(row, seat, length) if joining.criteria else None
+            length = length if stopped is None else stopped
+            if joining.streamer is not None and length > seat.streamed:  # a copy: the row is reused
+                joining.streamed.append(self.rows.tokens[row, seat.streamed : length].to("cpu", copy=True))
+                seat.streamed = length
                 joining.news.set()
-            if not unfinished[row] or lengths[row] >= joining.max_length:
-                self.end(row, tokens=self.rows.tokens[row : row + 1, : lengths[row]].clone())
+            if stopped is not None or not unfinished[row] or length >= joining.max_length:
+                self.end(row, tokens=self.rows.tokens[row : row + 1, :length].clone())
+
+    def _stopped_on_host(self, row: int, seat: _Seat, length: int) -> int | None:
+        """The length at which the request's host-side stopping criteria stop its row, going through the
+        positions since their last look as `generate` goes through its steps; None if they let it go on."""
+        sequence = self.rows.tokens[row : row + 1, :length].clone()
+        for position in range(seat.checked + 1, length + 1):
+            if any(bool(criterion(sequence[:, :position], None).any()) for criterion in seat.joining.criteria):
+                return position
+        seat.checked = length
+        return None
 
     def _collect_groups(self, program: BeamProgram) -> None:
         """Hand back the groups whose search ended (one host read of the running flags), and leave abandoned

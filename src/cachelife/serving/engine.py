@@ -35,12 +35,15 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError, RequestTimeoutError
-from cachelife.generation.api import check_generator, check_model
-from cachelife.generation.arguments import early_stopping, eos_ids, float_field, int_field, special_tokens
-from cachelife.generation.padding import left_padding
+from cachelife.generation.api import check_generator, check_model, with_stop_string_criteria
+from cachelife.generation.arguments import (
+    merged_config,
+)
 from cachelife.generation.steps import CudaGraphs, LoopSettings
+from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
+from cachelife.serving.preparation import candidate, prepared_joining
 from cachelife.serving.requests import (
     Joining,
     Request,
@@ -48,14 +51,10 @@ from cachelife.serving.requests import (
     check_timeout,
     hand_back,
     own_copy,
-    prepared_processors,
     resolve,
     wait_for,
 )
-from cachelife.serving.row_settings import PerRow, per_row
-from cachelife.serving.rows import PER_ROW, program_key
 from cachelife.serving.streaming import tokens_as_they_come
-from cachelife.serving.window import fits_at_all
 from cachelife.validate import check_bool, check_choice, check_int
 
 logger = logging.getLogger(__name__)
@@ -129,6 +128,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        self._failure: BaseException | None = None  # why the scheduler failed, once it has
         self._held_requests: dict[int, Request] = {}
         self._deadlines = Deadlines(self._expire)
         self._workers = ThreadPoolExecutor(rows + prepare_ahead, thread_name_prefix="cachelife-engine-request")
@@ -154,8 +154,7 @@ class Engine:
         future: Future[Any] = Future()
         with self._lock:
             if self._closed:
-                msg = "the engine is closed: it takes no new requests"
-                raise EngineClosedError(msg)
+                raise self._closed_error("and takes no new requests")
             if self._held >= self._capacity:
                 msg = (
                     f"the engine holds {self._held} requests, as many as its rows and queue take "
@@ -271,13 +270,13 @@ class Engine:
             return
         try:
             if self._closed:
-                msg = "the engine was closed before the request started"
-                raise EngineClosedError(msg)
+                raise self._closed_error("before the request started")
 
             def method(model: PreTrainedModel, input_ids: torch.Tensor, **arguments: Any) -> torch.Tensor:
                 return self._decode(request, model, input_ids, **arguments)
 
-            output = type(self._model).generate(self._model, **request.kwargs, custom_generate=method)
+            kwargs = with_stop_string_criteria(request.kwargs, merged_config(self._model, request.kwargs))
+            output = type(self._model).generate(self._model, **kwargs, custom_generate=method)
         except BaseException as error:
             self._release(request)
             resolve(request.future, error=error)
@@ -299,49 +298,13 @@ class Engine:
     ) -> torch.Tensor:
         """The decoding method of the request's `generate`: check and convert what it prepared, queue it for a
         row, wait for its tokens."""
-        config, batch = generation_config, self._batch
-        converted = prepared_processors(
-            model, input_ids, processors=logits_processor, criteria=stopping_criteria, config=config,
-            model_kwargs=model_kwargs, settings=batch.settings, vocab=batch.vocab,
-        )  # fmt: skip
-        max_length = int_field(config, "max_length")
-        prompt = int(input_ids.shape[1])
-        if not fits_at_all(width=batch.width, steps_per_call=batch.settings.steps_per_call, prompt=prompt,
-                           remaining=max_length - prompt - 1):  # fmt: skip
-            msg = (
-                f"the request's max_length is {max_length} (prompt {prompt} + new tokens); the engine's "
-                f"max_length is {batch.max_length}: ask for fewer new tokens, or make the engine's longer"
-            )
-            raise InvalidArgumentError(msg)
-        beams = int_field(config, "num_beams")
-        if beams > len(batch.slots):
-            msg = (
-                f"the request asks for num_beams={beams}, which takes {beams} of the engine's rows; the engine "
-                f"has {len(batch.slots)}: ask for fewer beams, or make the engine's rows more"
-            )
-            raise InvalidArgumentError(msg)
-        generator = request.generator
-        if config.do_sample and generator is None:
-            generator = torch.Generator(device=model.device).manual_seed(int(torch.randint(2**62, ())))
-        eos = eos_ids(config)
-        pad_tensor = special_tokens(config, "_pad_token_tensor")
-        pad = 0 if pad_tensor is None else int(pad_tensor)
-        values = per_row(logits_processor, do_sample=bool(config.do_sample), eos=eos, pad=pad) if beams == 1 else None
-        per_row_values = values if isinstance(values, PerRow) else None
-        key: tuple[object, ...] = (PER_ROW, per_row_values.do_sample) if per_row_values is not None else (
-            program_key(converted, do_sample=bool(config.do_sample), eos=eos, pad=pad))  # fmt: skip
-        if beams > 1:  # requests of other beam settings run another program
-            key = (*key, beams, float_field(config, "length_penalty"), early_stopping(config))
-        # transformers' generate put the prompt into the streamer; the new tokens come from the rows.
-        streamer = request.kwargs.get("streamer")
-        joining = Joining(
-            request, input_ids, model_kwargs, config, converted, key, max_length, generator, streamer, beams,
-            int_field(config, "num_return_sequences"), left_padding(model, model_kwargs), per_row_values,
+        joining = prepared_joining(
+            request, model, input_ids, batch=self._batch, processors=logits_processor, criteria=stopping_criteria,
+            config=generation_config, model_kwargs=model_kwargs,
         )  # fmt: skip
         with self._wake:
             if self._closed:
-                msg = "the engine was closed before the request got a row"
-                raise EngineClosedError(msg)
+                raise self._closed_error("before the request got a row")
             self._waiting.append(joining)
             self._wake.notify_all()
         return wait_for(joining, self._lock, self._waiting)
@@ -349,9 +312,39 @@ class Engine:
     # -- the scheduler thread -------------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        with torch.no_grad():
-            while self._next_boundary():
-                pass
+        try:
+            with torch.no_grad():
+                while self._next_boundary():
+                    pass
+        except BaseException as error:  # the scheduler itself failed: nothing would serve the held requests
+            logger.exception("cachelife.Engine: the scheduler failed; the engine closes")
+            self._fail_engine(error)
+
+    def _fail_engine(self, cause: BaseException) -> None:
+        """Close the engine for `cause`: new submits are refused, and every request it holds fails with an
+        `EngineClosedError` naming the cause (chained to it), wherever it waits."""
+        with self._wake:
+            self._closed, self._failure = True, cause
+            abandoned = [*self._waiting, *(seat.joining for seat in self._batch.seats.values())]
+            self._waiting.clear()
+            held = list(self._held_requests.values())
+        for joining in abandoned:
+            hand_back(joining, error=self._closed_error(""))
+        for request in held:  # places given back first, as always
+            self._release(request)
+            resolve(request.future, error=self._closed_error(""))
+        self._deadlines.close(wait=False)
+        self._workers.shutdown(wait=False)
+
+    def _closed_error(self, when: str) -> EngineClosedError:
+        """The error of a request the closed engine cannot serve (`when`: at what point), naming the
+        scheduler's failure if that closed it."""
+        cause = self._failure
+        if cause is None:
+            return EngineClosedError(f"the engine was closed {when}")
+        error = EngineClosedError(f"the engine's scheduler failed ({type(cause).__name__}: {cause}); it is closed")
+        error.__cause__ = cause
+        return error
 
     def _next_boundary(self) -> bool:
         """Admit newcomers, run one call of the step, hand back what ended; False once closed and drained."""
@@ -378,14 +371,31 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        """Newcomers join in their order while the head of the queue fits."""
+        """Newcomers join as `admission.plan` says: in submission order, each while it fits. A join that fails
+        fails its request alone but leaves the batch otherwise than planned: the plan is drawn again."""
         while True:
             with self._lock:
-                while self._waiting and self._waiting[0].abandoned:
-                    self._waiting.popleft()
-                head = self._waiting[0] if self._waiting else None
-                room = None if head is None else self._batch.has_room_for(head)
-                if head is None or room is None:
-                    return
-                self._waiting.popleft()
-            self._batch.join(head, *room)
+                for joining in [joining for joining in self._waiting if joining.abandoned]:
+                    self._waiting.remove(joining)
+                by_number = {joining.request.number: joining for joining in self._waiting}
+                admissions = plan([candidate(joining) for joining in self._waiting], self._batch.view())
+                chosen = [(by_number[admission.number], admission) for admission in admissions]
+                for joining, _ in chosen:
+                    self._waiting.remove(joining)
+            if not chosen or self._join_all(chosen):
+                return
+
+    def _join_all(self, chosen: list[tuple[Joining, Admission]]) -> bool:
+        """Join each as planned; False at the first join that failed, the ones after it back in the queue."""
+        joined = 0
+        try:
+            for joining, admission in chosen:
+                joins = self._batch.joins
+                self._batch.join(joining, admission.first, admission.placement)
+                if self._batch.joins == joins:
+                    return False
+                joined += 1
+        finally:
+            with self._lock:
+                self._waiting.extend(joining for joining, _ in chosen[joined + 1 :])
+        return True

@@ -15,14 +15,13 @@ import torch
 from attrs import define, field
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError, RequestTimeoutError, UnsupportedGenerationError
 from cachelife.generation.arguments import int_field, merged_config, unsupported_argument, unsupported_config
-from cachelife.generation.host import host_criteria
-from cachelife.generation.method import unsupported_prompt, unsupported_window
+from cachelife.generation.method import unsupported_criterion, unsupported_prompt, unsupported_window
 from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
 from cachelife.generation.steps import LoopSettings
 from cachelife.serving.model_facts import vocab_size
@@ -63,6 +62,8 @@ class Joining:
     sequences: int = 1  # hypotheses it returns (num_return_sequences)
     padding: int = 0  # pad tokens on the left of its prompt (its attention mask's zeros)
     per_row: PerRow | None = None  # its processors as the per-row pipeline's values, if they are (`row_settings`)
+    # Stopping criteria only the host evaluates (`stop_strings`, `max_time`, custom ones), read at each boundary.
+    criteria: tuple[StoppingCriteria, ...] = ()
     done: threading.Event = field(factory=threading.Event)
     # Set on every hand-over to the request's thread: new tokens for its streamer, or the end.
     news: threading.Event = field(factory=threading.Event)
@@ -101,10 +102,19 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if (streamed or kwargs.get("streamer") is not None) and int_field(config, "num_beams") > 1:
         msg = f"a beam search (num_beams={int_field(config, 'num_beams')}) streams no tokens: transformers refuses it"
         raise InvalidArgumentError(msg)
-    feature = unsupported_argument(kwargs) or unsupported_config(config)
+    feature = unsupported_argument(kwargs) or unsupported_config(config) or host_stops_with_beams(kwargs, config)
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
         raise UnsupportedGenerationError(msg)
+
+
+def host_stops_with_beams(kwargs: dict[str, Any], config: GenerationConfig) -> str | None:
+    """Stops only the host reads, asked of a beam search (whose rows the host does not look at)."""
+    if int_field(config, "num_beams") == 1:
+        return None
+    asked = [name for name in ("stop_strings", "max_time") if getattr(config, name, None) is not None]
+    asked += ["stopping_criteria"] if kwargs.get("stopping_criteria") else []
+    return f"{asked[0]} with beam search" if asked else None
 
 
 def check_prompt_shape(name: str, value: torch.Tensor) -> None:
@@ -170,9 +180,8 @@ def prepared_processors(
             "without beam search, or Whisper's)"
         )
     else:
-        found = host_criteria(criteria)
         reason = (
-            (f"stopping criteria read on the host ({type(found[0]).__name__})" if found else None)
+            unsupported_criterion(criteria, config)
             or unsupported_processor(processors)
             or unsupported_prompt(model, model_kwargs)
             or unsupported_window(model, config, settings)

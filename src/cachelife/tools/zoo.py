@@ -7,11 +7,14 @@ seeded inputs for `generate`.
 
 from __future__ import annotations
 
+import importlib
+import string
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import torch
 from attrs import frozen
+from tokenizers import Tokenizer, decoders, models
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -329,3 +332,14 @@ def generate_tokens(model: PreTrainedModel, inputs: Inputs, **settings: Any) -> 
         msg = f"generate returned a {type(output).__name__}; call it without return_dict_in_generate=True"
         raise UnsupportedGenerationError(msg)
     return output
+
+
+def letters_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer for the zoo's token models: single letters, then `<i>` for every other id (for
+    `stop_strings`, which need a tokenizer)."""
+    vocab = {letter: index for index, letter in enumerate(string.ascii_lowercase)}
+    vocab.update({f"<{index}>": index for index in range(len(vocab), vocab_size)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    # transformers' tokenizer classes are not described in typings/: reached through the module.
+    return importlib.import_module("transformers").PreTrainedTokenizerFast(tokenizer_object=backend)

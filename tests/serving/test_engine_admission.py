@@ -1,0 +1,182 @@
+"""cachelife.Engine's scheduler: first come, first served by submission time; a scheduler that fails closes the
+engine with every request it holds failed by the cause; stops only the host reads (`stop_strings` with a
+tokenizer, custom stopping criteria) end each row where its own `generate` ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import cachelife
+from cachelife.errors import EngineClosedError, UnsupportedGenerationError
+from cachelife.serving import preparation
+from cachelife.serving.engine import Engine
+from cachelife.tools import zoo
+
+
+@pytest.fixture(scope="module")
+def llama() -> zoo.ZooModel:
+    return zoo.build("llama")
+
+
+def until(condition: Any, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("the engine did not get there in time")
+        time.sleep(0.01)
+
+
+class Gate:
+    """Holds the engine's steps while closed: what is submitted meanwhile waits."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.open = threading.Event()
+        advance = engine._batch.advance
+
+        def gated() -> None:
+            self.open.wait()
+            advance()
+
+        engine._batch.advance = gated  # type: ignore[method-assign]
+
+
+def test_a_request_prepared_later_still_joins_in_its_submission_order(
+    llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared = preparation.prepared_processors
+
+    def slow_for_the_first(model: Any, input_ids: torch.Tensor, **arguments: Any) -> Any:
+        if input_ids.shape[1] == 7:  # the earlier request: its preparation ends after the later one's
+            time.sleep(0.5)
+        return prepared(model, input_ids, **arguments)
+
+    monkeypatch.setattr(preparation, "prepared_processors", slow_for_the_first)
+    ended: list[str] = []
+    with Engine(llama.model, rows=1, max_length=64, compile_step=False, prepare_ahead=2) as engine:
+        gate = Gate(engine)
+        busy = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3)
+        until(lambda: engine.stats().decoding == 1)
+        earlier = engine.submit(**llama.inputs(1, 7, 1), max_new_tokens=3)
+        later = engine.submit(**llama.inputs(1, 5, 2), max_new_tokens=3)
+        until(lambda: engine.stats().waiting == 2)
+        earlier.add_done_callback(lambda _: ended.append("earlier"))
+        later.add_done_callback(lambda _: ended.append("later"))
+        gate.open.set()
+        for future in (busy, earlier, later):
+            future.result(timeout=60)
+    assert ended == ["earlier", "later"]
+
+
+def test_a_failing_scheduler_closes_the_engine_and_fails_every_request_it_holds_with_the_cause(
+    llama: zoo.ZooModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = Engine(llama.model, rows=1, max_length=64, compile_step=False)
+    gate = Gate(engine)
+    broken = RuntimeError("the step's buffers are gone")
+
+    def failing(error: BaseException) -> None:  # a step failed, and handing its rows their error fails too
+        raise broken
+
+    engine._batch.fail_all = failing  # type: ignore[method-assign]
+    engine._batch.collect = lambda: (_ for _ in ()).throw(RuntimeError("a step failed"))  # type: ignore[method-assign]
+    decoding = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3)
+    until(lambda: engine.stats().decoding == 1)
+    queued = engine.submit(**llama.inputs(1, 5, 1), max_new_tokens=3)
+    until(lambda: engine.stats().waiting == 1)
+    gate.open.set()
+    for future in (decoding, queued):
+        with pytest.raises(EngineClosedError, match=r"scheduler failed .*buffers are gone") as raised:
+            future.result(timeout=60)
+        assert raised.value.__cause__ is broken
+    with pytest.raises(EngineClosedError, match="scheduler failed"):
+        engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3)
+    assert engine.stats().held == 0
+    engine.close()
+    assert "the scheduler failed" in caplog.text
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("cachelife-engine")]
+
+
+def test_requests_after_a_failed_step_are_still_served(llama: zoo.ZooModel) -> None:
+    """A step's failure is its rows' (the engine goes on); only the scheduler's own failure closes it."""
+    with Engine(llama.model, rows=1, max_length=64, compile_step=False) as engine:
+        advance, failures = engine._batch.advance, iter([RuntimeError("one step failed")])
+
+        def failing_once() -> None:
+            error = next(failures, None)
+            if error is not None:
+                raise error
+            advance()
+
+        engine._batch.advance = failing_once  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="one step failed"):
+            engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3).result(timeout=60)
+        request = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
+        expected = cachelife.generate(llama.model, compile_step=False, **request)
+        assert torch.equal(engine.submit(**request).result(timeout=60), expected)
+
+
+class StopAfter(StoppingCriteria):
+    """Stops a row once `token` appears among its new tokens (after a prompt of `prompt` tokens)."""
+
+    def __init__(self, token: int, prompt: int) -> None:
+        self.token, self.prompt = token, prompt
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        return (input_ids[:, self.prompt :] == self.token).any(dim=1)
+
+
+class Collecting(BaseStreamer):
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.values.append(value)
+
+    def end(self) -> None:
+        pass
+
+
+def test_stop_strings_and_host_criteria_stop_each_request_where_its_own_generate_stops(llama: zoo.ZooModel) -> None:
+    model = llama.model
+    tokenizer = zoo.letters_tokenizer(int(model.config.vocab_size))
+    requests: list[dict[str, Any]] = []
+    for index in range(4):
+        inputs = llama.inputs(1, 5 + index, index)
+        free = cachelife.generate(model, **inputs, max_new_tokens=12, compile_step=False)
+        assert isinstance(free, torch.Tensor)
+        stop_token = int(free[0, inputs["input_ids"].shape[1] + 4])  # the 5th new token
+        if index % 2 == 0:
+            stops = {"stop_strings": [tokenizer.decode([stop_token])], "tokenizer": tokenizer}
+        else:
+            stops = {"stopping_criteria": StoppingCriteriaList([StopAfter(stop_token, inputs["input_ids"].shape[1])])}
+        requests.append({**inputs, "max_new_tokens": 12, **stops})
+    requests.append({**llama.inputs(1, 6, 9), "max_new_tokens": 12})  # no stop: decodes beside the others
+    expected = [cachelife.generate(model, compile_step=False, **request) for request in requests]
+    streamers = [Collecting() for _ in requests]
+    with Engine(model, rows=3, max_length=64, compile_step=False, steps_per_call=3) as engine:
+        futures = [
+            engine.submit(**request, streamer=streamer) for request, streamer in zip(requests, streamers, strict=True)
+        ]
+        got = [future.result(timeout=120) for future in futures]
+    for request, mine, theirs, streamer in zip(requests, got, expected, streamers, strict=True):
+        assert torch.equal(mine, theirs)
+        prompt = request["input_ids"].shape[1]
+        assert torch.equal(torch.cat([value.reshape(-1) for value in streamer.values[1:]]), mine[0, prompt:])
+    assert all(tokens.shape[1] < requests[0]["input_ids"].shape[1] + 12 for tokens in got[:4])
+
+
+def test_host_side_stops_with_beam_search_are_refused_at_submit_by_name(llama: zoo.ZooModel) -> None:
+    tokenizer = zoo.letters_tokenizer(int(llama.model.config.vocab_size))
+    with Engine(llama.model, rows=2, max_length=64, compile_step=False) as engine:
+        with pytest.raises(UnsupportedGenerationError, match="stop_strings with beam search"):
+            engine.submit(**llama.inputs(1, 5, 0), num_beams=2, stop_strings=["a"], tokenizer=tokenizer)
+        with pytest.raises(UnsupportedGenerationError, match="max_time with beam search"):
+            engine.submit(**llama.inputs(1, 5, 0), num_beams=2, max_time=5.0)
+        assert engine.stats().held == 0
