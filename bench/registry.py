@@ -400,6 +400,17 @@ _ENTRIES = (
         "with 16 settings spread over the requests (the per-row pipeline: one program for every mix)",
         "cuda", "engine-llama-3.2-1b-sampling-cuda-*.json",
     ),
+    Benchmark(
+        "serving-load-llama", "bench.serving_load",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--target", "engine",
+         "--concurrency", "16,64", "--requests", "256", "--rows", "16", "--queue-size", "64", "--prompt-tokens",
+         "16,128", "--new-tokens", "16,64", "--bad-share", "0.1"),
+        "serving load on cachelife.Engine (16 rows) in-process, Llama-3.2-1B shape, bf16, greedy: 256 requests of "
+        "16-128 prompt and 16-64 new tokens, a tenth of them invalid, from 16 and 64 clients in a closed loop; "
+        "TTFT, TPOT, inter-token and end-to-end latency p50/p99, tokens and requests per second, bad requests "
+        "refused, server errors",
+        "cuda", "serving-load-llama-3.2-1b-engine-cuda-*.json",
+    ),
     # -- CPU: the runs behind the CPU files in bench/results --------------------------------------------------
     Benchmark(
         "planted-bugs-cpu", "bench.planted_bugs", ("--device", "cpu"),
@@ -521,6 +532,16 @@ _ENTRIES = (
         "cachelife.Engine on the CPU, llama-small, fp32, greedy: 8 requests from 1 and 4 clients against "
         "sequential cachelife.generate, tokens checked equal, every request streamed (time to first token)",
         "cpu", "engine-llama-small-*cpu-*.json",
+    ),
+    Benchmark(
+        "serving-load-cpu", "bench.serving_load",
+        ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--target", "engine", "--concurrency", "1,4",
+         "--rate", "50", "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32",
+         "--new-tokens", "4,16", "--bad-share", "0.1"),
+        "serving load on cachelife.Engine (4 rows) in-process on the CPU, the padded-llama family at toy sizes, "
+        "fp32, greedy: 128 requests, a tenth of them invalid, from 1 and 4 clients in a closed loop and at 50 "
+        "requests a second (Poisson arrivals); latency spreads, throughput, bad requests refused, server errors",
+        "cpu", "serving-load-tiny-engine-cpu-*.json",
     ),
 )  # fmt: skip
 
