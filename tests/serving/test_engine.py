@@ -450,6 +450,8 @@ def test_close_fails_what_waits_and_finishes_what_decodes(llama: zoo.ZooModel) -
         ({"input_ids": torch.ones(1, 3)}, InvalidArgumentError, "as torch.long .* got torch.float32"),
         ({"input_ids": torch.tensor([[5, 320]])}, InvalidArgumentError, r"ids from 0 to 319 .* got 5\.\.320"),
         ({"input_ids": torch.tensor([[-1, 5]])}, InvalidArgumentError, r"got -1\.\.5"),
+        ({"input_ids": torch.ones(1, 3, dtype=torch.long), "max_new_tokens": -1}, InvalidArgumentError,
+         "generation settings are invalid: `max_new_tokens` must be greater than 0, but is -1"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_refused_before_any_work(

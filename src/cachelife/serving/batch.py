@@ -51,6 +51,7 @@ from cachelife.serving.rows import (
     row_values,
 )
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
+from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.serving.window import Occupant, Placement
 
 
@@ -63,6 +64,7 @@ class _Seat:
     end: int
     streamed: int  # the row's tokens handed to its request's streamer so far (the prompt's by generate)
     checked: int  # the row's tokens its host-side stopping criteria have seen (the prompt's at first)
+    joined: int  # the step calls before it joined: the rows' snapshots until then are not its
     size: int = 1
     unused: int = 0  # leading noise buffers holding draws no step used yet
 
@@ -103,6 +105,10 @@ class Batch:
         self.program: Program | BeamProgram | None = None
         self.slot = 0  # where every row writes its next key and value
         self.steps = 0
+        self.calls = 0  # calls of the step so far
+        self.snapshots = Snapshots.allocate(self.rows)
+        self.latest: Snapshot | None = None  # the rows' state after the last call
+        self.earlier: Snapshot | None = None  # and after the call before, which `collect` reads
         self.moves = 0
         self.joins = 0
         self.prefill_seconds = 0.0  # the scheduler's wall seconds in newcomers' prefills
@@ -147,7 +153,10 @@ class Batch:
             slot.move("start", Decoding(joining.request.number, start))
         self.joins += 1
         end = self.slot + joining.max_length - joining.prompt - 1
-        self.seats[first] = _Seat(joining, start, end, joining.prompt, joining.prompt, joining.beams)
+        self.seats[first] = _Seat(
+            joining=joining, start=start, end=end, streamed=joining.prompt, checked=joining.prompt, joined=self.calls,
+            size=joining.beams,
+        )  # fmt: skip
 
     def _place(
         self, first: int, joining: Joining, placement: Placement, *, program: Program | BeamProgram,
@@ -203,26 +212,38 @@ class Batch:
             seat.unused = max(spc - ran, 0)
         self.slot += ran
         self.steps += ran
+        self.calls += 1
+        if not isinstance(self.program, BeamProgram):
+            tokens = any(seat.joining.streamer is not None or seat.joining.criteria for seat in self.seats.values())
+            self.latest = self.snapshots.take(self.rows, taken=self.calls, tokens=tokens)
 
     def collect(self) -> None:
-        """Hand streaming rows' new tokens over, hand back the rows that ended (one host read of lengths and
-        end flags), and leave abandoned ones."""
-        if not self.seats:
-            return
+        """Hand streaming rows' new tokens over, hand back the rows that ended, and leave abandoned ones: from
+        the rows' snapshot of the call before the last (`snapshots`; a beam search's groups from the last)."""
         if isinstance(self.program, BeamProgram):
-            self._collect_groups(self.program)
+            self.earlier = self.latest = None
+            if self.seats:
+                self._collect_groups(self.program)
             return
-        lengths, unfinished = self.rows.length.tolist(), self.rows.unfinished.tolist()
+        snapshot, self.earlier = self.earlier, self.latest
+        if snapshot is not None and self.seats:
+            self._collect_rows(snapshot)
+
+    def _collect_rows(self, snapshot: Snapshot) -> None:
+        snapshot.wait()
+        lengths, unfinished = snapshot.length.tolist(), snapshot.unfinished.tolist()
         for row, seat in list(self.seats.items()):
             joining = seat.joining
             if joining.abandoned:
                 self.end(row)
                 continue
+            if seat.joined >= snapshot.taken:  # it joined after this snapshot
+                continue
             length = lengths[row]
             stopped = self._stopped_on_host(row, seat, length) if joining.criteria else None
             length = length if stopped is None else stopped
-            if joining.streamer is not None and length > seat.streamed:  # a copy: the row is reused
-                joining.streamed.append(self.rows.tokens[row, seat.streamed : length].to("cpu", copy=True))
+            if joining.streamer is not None and length > seat.streamed and snapshot.tokens is not None:
+                joining.streamed.append(snapshot.tokens[row, seat.streamed : length].clone())  # the buffer is reused
                 seat.streamed = length
                 joining.news.set()
             if stopped is not None or not unfinished[row] or length >= joining.max_length:
@@ -264,6 +285,7 @@ class Batch:
         hand_back(seat.joining, tokens=tokens, error=error)
 
     def fail_all(self, error: BaseException) -> None:
+        self.earlier = self.latest = None
         for row in list(self.seats):
             self.end(row, error=error)
         self.slot = 0

@@ -98,7 +98,11 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if rows != 1:
         msg = f"an engine request is one sequence (batch 1), got a batch of {rows}: submit each"
         raise InvalidArgumentError(msg)
-    config = merged_config(model, kwargs)
+    try:
+        config = merged_config(model, kwargs)
+    except ValueError as error:  # transformers' own checks of the generation settings
+        msg = f"an engine request's generation settings are invalid: {error}"
+        raise InvalidArgumentError(msg) from error
     if (streamed or kwargs.get("streamer") is not None) and int_field(config, "num_beams") > 1:
         msg = f"a beam search (num_beams={int_field(config, 'num_beams')}) streams no tokens: transformers refuses it"
         raise InvalidArgumentError(msg)

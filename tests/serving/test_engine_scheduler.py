@@ -1,6 +1,7 @@
 """cachelife.Engine's scheduler: first come, first served by submission time; a scheduler that fails closes the
 engine with every request it holds failed by the cause; stops only the host reads (`stop_strings` with a
-tokenizer, custom stopping criteria) end each row where its own `generate` ends."""
+tokenizer, custom stopping criteria) end each row where its own `generate` ends; the host reads the rows one
+call late, so that the device never waits for it."""
 
 from __future__ import annotations
 
@@ -10,19 +11,29 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.errors import EngineClosedError, UnsupportedGenerationError
 from cachelife.serving import preparation
+from cachelife.serving import requests as request_checks
 from cachelife.serving.engine import Engine
+from cachelife.serving.rows import Rows
+from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.tools import zoo
 
 
 @pytest.fixture(scope="module")
 def llama() -> zoo.ZooModel:
     return zoo.build("llama")
+
+
+def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
+    tokens = cachelife.generate(model, compile_step=False, **kwargs)
+    assert isinstance(tokens, torch.Tensor)
+    return tokens
 
 
 def until(condition: Any, seconds: float = 60) -> None:
@@ -50,7 +61,7 @@ class Gate:
 def test_a_request_prepared_later_still_joins_in_its_submission_order(
     llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prepared = preparation.prepared_processors
+    prepared = request_checks.prepared_processors
 
     def slow_for_the_first(model: Any, input_ids: torch.Tensor, **arguments: Any) -> Any:
         if input_ids.shape[1] == 7:  # the earlier request: its preparation ends after the later one's
@@ -118,8 +129,7 @@ def test_requests_after_a_failed_step_are_still_served(llama: zoo.ZooModel) -> N
         with pytest.raises(RuntimeError, match="one step failed"):
             engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3).result(timeout=60)
         request = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
-        expected = cachelife.generate(llama.model, compile_step=False, **request)
-        assert torch.equal(engine.submit(**request).result(timeout=60), expected)
+        assert torch.equal(engine.submit(**request).result(timeout=60), alone(llama.model, **request))
 
 
 class StopAfter(StoppingCriteria):
@@ -149,8 +159,7 @@ def test_stop_strings_and_host_criteria_stop_each_request_where_its_own_generate
     requests: list[dict[str, Any]] = []
     for index in range(4):
         inputs = llama.inputs(1, 5 + index, index)
-        free = cachelife.generate(model, **inputs, max_new_tokens=12, compile_step=False)
-        assert isinstance(free, torch.Tensor)
+        free = alone(model, **inputs, max_new_tokens=12)
         stop_token = int(free[0, inputs["input_ids"].shape[1] + 4])  # the 5th new token
         if index % 2 == 0:
             stops = {"stop_strings": [tokenizer.decode([stop_token])], "tokenizer": tokenizer}
@@ -158,7 +167,7 @@ def test_stop_strings_and_host_criteria_stop_each_request_where_its_own_generate
             stops = {"stopping_criteria": StoppingCriteriaList([StopAfter(stop_token, inputs["input_ids"].shape[1])])}
         requests.append({**inputs, "max_new_tokens": 12, **stops})
     requests.append({**llama.inputs(1, 6, 9), "max_new_tokens": 12})  # no stop: decodes beside the others
-    expected = [cachelife.generate(model, compile_step=False, **request) for request in requests]
+    expected = [alone(model, **request) for request in requests]
     streamers = [Collecting() for _ in requests]
     with Engine(model, rows=3, max_length=64, compile_step=False, steps_per_call=3) as engine:
         futures = [
@@ -180,3 +189,49 @@ def test_host_side_stops_with_beam_search_are_refused_at_submit_by_name(llama: z
         with pytest.raises(UnsupportedGenerationError, match="max_time with beam search"):
             engine.submit(**llama.inputs(1, 5, 0), num_beams=2, max_time=5.0)
         assert engine.stats().held == 0
+
+
+def test_the_host_reads_each_call_s_rows_after_it_launched_the_next(
+    llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device never waits for the host: at each boundary the rows' state of the call before the last is
+    read, and the tokens handed over still equal each request's own generate."""
+    reads: list[tuple[int, int]] = []
+    with Engine(llama.model, rows=2, max_length=64, compile_step=False) as engine:
+        batch = engine._batch
+        wait = Snapshot.wait
+
+        def recorded(snapshot: Snapshot) -> None:
+            reads.append((snapshot.taken, batch.calls))
+            wait(snapshot)
+
+        monkeypatch.setattr(Snapshot, "wait", recorded)
+        requests = [{**llama.inputs(1, 4 + index, index), "max_new_tokens": 5 + 3 * index} for index in range(3)]
+        streamers = [Collecting() for _ in requests]
+        pairs = zip(requests, streamers, strict=True)
+        got = [future.result(timeout=60) for future in [engine.submit(**r, streamer=s) for r, s in pairs]]
+    assert reads
+    assert all(taken == calls - 1 for taken, calls in reads)
+    for request, tokens, streamer in zip(requests, got, streamers, strict=True):
+        assert torch.equal(tokens, alone(llama.model, **request))
+        streamed = torch.cat([value.reshape(-1) for value in streamer.values[1:]])
+        assert torch.equal(streamed, tokens[0, request["input_ids"].shape[1] :])
+
+
+def test_snapshots_take_turns_between_two_sets_of_buffers() -> None:
+    rows = Rows.allocate(2, 6, 8, torch.device("cpu"))
+    snapshots = Snapshots.allocate(rows)
+    rows.length.copy_(torch.tensor([3, 4]))
+    first = snapshots.take(rows, taken=1, tokens=True)
+    rows.length.copy_(torch.tensor([5, 6]))
+    rows.tokens[1, 4] = 9
+    second = snapshots.take(rows, taken=2, tokens=False)
+    assert first.length.tolist() == [3, 4]
+    assert second.length.tolist() == [5, 6]
+    assert first.tokens is not None
+    assert int(first.tokens[1, 4]) == 0
+    assert second.tokens is None
+    third = snapshots.take(rows, taken=3, tokens=True)
+    assert third.length.data_ptr() == first.length.data_ptr()
+    assert third.tokens is not None
+    assert int(third.tokens[1, 4]) == 9

@@ -1,0 +1,63 @@
+"""The rows' state as the host reads it one step late, so that the device never waits for the host.
+
+After each call of the step the batch copies the rows' lengths, end flags and (while a row streams or has stops
+that only the host reads) tokens into host buffers, without waiting (`non_blocking` into pinned memory on
+CUDA), and marks the copy with an event. It reads that copy at the next step boundary, after it has launched
+the next call: the host hands tokens over and ends rows while the device runs the step after. Two sets of
+buffers take turns, so that a copy is never overwritten before it is read. A row the copy shows ended has run
+one more call, which changes nothing (the step leaves rows that do not run as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+from attrs import define, frozen
+
+from cachelife.serving.rows import Rows
+
+
+@frozen
+class Snapshot:
+    """The rows' state after the step call numbered `taken` (`Batch.calls`)."""
+
+    taken: int
+    length: torch.Tensor
+    unfinished: torch.Tensor
+    tokens: torch.Tensor | None  # None when no row needed its tokens
+    copied: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+@define
+class Snapshots:
+    """Two sets of host buffers for the rows' state, taken in turn."""
+
+    buffers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    cuda: bool
+    turn: int = 0
+
+    @classmethod
+    def allocate(cls, rows: Rows) -> Snapshots:
+        cuda = rows.length.device.type == "cuda"
+
+        def host(like: torch.Tensor) -> torch.Tensor:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda)
+
+        return cls(tuple((host(rows.length), host(rows.unfinished), host(rows.tokens)) for _ in range(2)), cuda)
+
+    def take(self, rows: Rows, *, taken: int, tokens: bool) -> Snapshot:
+        """Start copying the rows' state (after the step call `taken`); `tokens`: their tokens too."""
+        length, unfinished, token_buffer = self.buffers[self.turn]
+        self.turn = 1 - self.turn
+        length.copy_(rows.length, non_blocking=self.cuda)
+        unfinished.copy_(rows.unfinished, non_blocking=self.cuda)
+        if tokens:
+            token_buffer.copy_(rows.tokens, non_blocking=self.cuda)
+        copied = None
+        if self.cuda:
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            copied.record()
+        return Snapshot(taken, length, unfinished, token_buffer if tokens else None, copied)
