@@ -1,0 +1,141 @@
+"""Where a step of `cachelife.Engine` goes, with every row decoding: wall time, kernel time by kind, idle device.
+
+    python -m bench.engine_step [--device cuda] [--model llama-3.2-1b] [--dtype bfloat16] [--rows 1,16]
+                                [--max-length 512] [--prompt 64] [--window 0.5] [--out DIR]
+
+For each `--rows` value an `Engine(rows=N, max_length=--max-length)` gets N requests of `--prompt` tokens that
+each decode to the end of the cache (`min_new_tokens = max_new_tokens`), so that every row decodes through the
+measurement and nobody joins. Once every row decodes and 16 more steps ran, for `--window` seconds: the
+scheduler's step calls (wall ms per step: the whole boundary, host work included), and under torch.profiler
+(device activity alone) the device's kernels,
+grouped by kind as bench/profile_step.py groups them (ms per step and kernels per step), and the device's idle
+time (the window's span less the union of its kernels' intervals, per step): how much of a step the device
+waits for the host. Per rows value also the ratio of its wall ms per step to the first rows value's.
+Writes `<out>/engine-step-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.profiler import DeviceType, ProfilerActivity, profile
+
+from bench.padded import MODEL_NAMES, build_model
+from bench.profile_step import GROUPS, OTHER, group_of
+from bench.results_file import bench_parser, results_file
+from cachelife.serving.engine import Engine
+from cachelife.tools import zoo
+from cachelife.tools.recipe import pick_device
+
+
+def busy_union(intervals: Sequence[tuple[int, int]]) -> int:
+    """The time (in the intervals' unit) that at least one of `intervals` (start, end) covers."""
+    covered, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered += end - start
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    return covered
+
+
+def device_kernels(profiler: Any) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every device kernel the profiler saw."""
+    kernels = []
+    for event in profiler.profiler.kineto_results.events():
+        if event.device_type() == DeviceType.CUDA and event.duration_ns() > 0:
+            start = event.start_ns()
+            kernels.append((event.name(), start, start + event.duration_ns()))
+    return kernels
+
+
+def measure(model: Any, rows: int, args: Any) -> dict[str, Any]:
+    vocab = int(model.config.vocab_size)
+    new = args.max_length - args.prompt - 1
+    generator = torch.Generator().manual_seed(rows)
+    with Engine(model, rows=rows, max_length=args.max_length, queue_size=0) as engine:
+        prompts = [torch.randint(4, vocab, (1, args.prompt), generator=generator) for _ in range(rows)]
+        futures = [
+            engine.submit(input_ids=prompt.to(model.device), max_new_tokens=new, min_new_tokens=new)
+            for prompt in prompts
+        ]
+        while engine.stats().decoding < rows:
+            time.sleep(0.001)
+        warm = engine.stats().steps + 16  # past the first calls (compilation, capture)
+        while engine.stats().steps < warm:
+            time.sleep(0.001)
+        before, began = engine.stats(), time.perf_counter()
+        time.sleep(args.window)
+        after, ended = engine.stats(), time.perf_counter()
+        wall_steps = after.steps - before.steps
+        # Device activity alone: tracing the host's operators would slow the host and widen the device's gaps.
+        # A CPU has no device timeline: its wall time alone is measured.
+        profiler = None
+        if model.device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+                profiled_before = engine.stats()
+                time.sleep(args.window)
+                profiled_after = engine.stats()
+        for future in futures:
+            future.cancel()
+    measured: dict[str, Any] = {
+        "rows": rows,
+        "wall_ms_per_step": round((ended - began) * 1e3 / max(wall_steps, 1), 4),
+        "steps_timed": wall_steps,
+    }
+    if profiler is None:
+        return measured
+    steps = max(profiled_after.steps - profiled_before.steps, 1)
+    kernels = device_kernels(profiler)
+    names = [name for name, _ in GROUPS] + [OTHER]
+    groups: dict[str, dict[str, float]] = {name: {"ms_per_step": 0.0, "kernels_per_step": 0.0} for name in names}
+    for name, start, end in kernels:
+        group = groups[group_of(name)]
+        group["ms_per_step"] += (end - start) / 1e6 / steps
+        group["kernels_per_step"] += 1 / steps
+    span = (max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)) if kernels else 0
+    busy = busy_union([(start, end) for _, start, end in kernels])
+    return {
+        **measured,
+        "steps_profiled": steps,
+        "kernel_ms_per_step": round(sum(end - start for _, start, end in kernels) / 1e6 / steps, 4),
+        "device_busy_ms_per_step": round(busy / 1e6 / steps, 4),
+        "device_idle_ms_per_step": round((span - busy) / 1e6 / steps, 4),
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "groups": {name: {key: round(value, 4) for key, value in group.items()} for name, group in groups.items()},
+    }
+
+
+def main() -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted({*MODEL_NAMES, *zoo.MODEL_NAMES}))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--window", type=float, default=0.5, help="seconds timed, and seconds profiled")
+    args = parser.parse_args()
+    device = pick_device(args.device)
+    model = build_model(args.model, device, getattr(torch, args.dtype))
+    model.generation_config.eos_token_id = None  # every row decodes to its length
+    out = results_file(args.out, f"engine-step-{args.model}", device, "bench.engine_step", {
+        "model": args.model, "dtype": args.dtype, "max_length": args.max_length, "prompt": args.prompt,
+        "window_s": args.window, "results": [],
+    })  # fmt: skip
+    first: float | None = None
+    for rows in (int(part) for part in args.rows.split(",")):
+        measured = measure(model, rows, args)
+        first = measured["wall_ms_per_step"] if first is None else first
+        measured["wall_ratio_to_first"] = round(measured["wall_ms_per_step"] / first, 3)
+        out.add(measured)
+    out.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
