@@ -345,6 +345,14 @@ _ENTRIES = (
         "cuda", "engine-llama-3.2-1b-cuda-*.json",
     ),
     Benchmark(
+        "engine-step-llama", "bench.engine_step",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16", "--max-length", "512",
+         "--prompt", "64", "--window", "0.3"),
+        "where a step of the engine goes on the Llama-3.2-1B shape, bf16, with every row decoding: wall ms per "
+        "step, device kernels by kind and the device's idle time, for 1 and 16 rows",
+        "cuda", "engine-step-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
         "longform", "bench.longform",
         ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64",
          "--paths", "auto,cachelife"),
