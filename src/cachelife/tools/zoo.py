@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import torch
 from attrs import frozen
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -343,3 +343,45 @@ def letters_tokenizer(vocab_size: int) -> Any:
     backend.decoder = decoders.Fuse()
     # transformers' tokenizer classes are not described in typings/: reached through the module.
     return importlib.import_module("transformers").PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+# The roles of a chat as words of `words_tokenizer`'s vocabulary, and its chat template: each turn its role's
+# word, then its text; the assistant's word opens the answer.
+_ROLE_WORDS: Final = {"system": "w5", "developer": "w5", "user": "w6", "assistant": "w7"}
+_CHAT_TEMPLATE: Final = (
+    "{% for message in messages %}{{ roles[message['role']] }} {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}{{ roles['assistant'] }}{% endif %}"
+)
+
+
+def words_tokenizer(vocab_size: int = 320) -> Any:
+    """A word-level tokenizer for the zoo's tiny Llama: <pad> <s> </s> <unk> <mask>, then w5 ... w{vocab_size-1};
+    a prompt starts with <s>. Its chat template writes each turn as its role's word (w5 system, w6 user, w7
+    assistant) and its text."""
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
+    vocab = {token: i for i, token in enumerate(specials)} | {f"w{i}": i for i in range(5, vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = importlib.import_module("transformers").PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = "{% set roles = " + repr(_ROLE_WORDS) + " %}" + _CHAT_TEMPLATE
+    return tokenizer
+
+
+def whisper_tiny_processor() -> Any:
+    """A processor for the tiny Whisper (`whisper_tiny_generation`'s tokens): 16 mel bins over a 1 s window at
+    16 kHz (64 frames, its encoder's input), and a word-level tokenizer for its 300 ids, t0 ... t299, whose
+    start, end, language and task ids are special."""
+    transformers = importlib.import_module("transformers")
+    extractor = transformers.WhisperFeatureExtractor(
+        feature_size=16, sampling_rate=16000, hop_length=250, chunk_length=1
+    )
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3",
+        extra_special_tokens=[f"t{i}" for i in range(250, 263)],
+    )  # fmt: skip
+    return transformers.WhisperProcessor(feature_extractor=extractor, tokenizer=fast)
