@@ -192,7 +192,7 @@ def http_request(port: int, model_name: str, request: Planned) -> Outcome:
     body: dict[str, Any] = {"model": model_name, "prompt": list(request.prompt), "max_tokens": request.new_tokens,
                             "temperature": 0, "stream": True}  # fmt: skip
     if request.bad == "unsupported_field":
-        body["n"] = 2
+        body["best_of"] = 2  # a field of OpenAI's this server refuses
     data = json.dumps(body).encode()
     if request.bad == "malformed_json":
         data = data[:-1]  # the closing brace cut off

@@ -18,7 +18,7 @@ import urllib.request
 import uuid
 import warnings
 import wave
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,18 +36,11 @@ from cachelife.errors import (
     UnsupportedGenerationError,
 )
 from cachelife.serving.openai_api import (
-    Completion,
     Sampling,
-    TextDeltas,
-    completion_body,
-    completion_kwargs,
     error_answer,
-    finish_reason,
     form_fields,
-    parse_completion,
     parse_transcription,
     read_wav,
-    sampling_kwargs,
     transcription_body,
 )
 from cachelife.tools import zoo
@@ -55,51 +48,20 @@ from cachelife.tools import zoo
 # One local Ray instance (a module fixture) for every test here: one pytest-xdist worker runs them all.
 pytestmark = pytest.mark.xdist_group("ray")
 
-# transformers' tokenizer and processor classes are not described in typings/: reached through the module.
-transformers = importlib.import_module("transformers")
-tokenizers = importlib.import_module("tokenizers")
 
 RATE = 16000
 
 
-def llama_tokenizer() -> Any:
-    """A word-level tokenizer for the tiny Llama's 320 ids: <pad> <s> </s> <unk> <mask>, then w5 ... w319; a
-    prompt starts with <s>."""
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
-    vocab = {token: i for i, token in enumerate(specials)} | {f"w{i}": i for i in range(5, 320)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-
-
-def whisper_processor() -> Any:
-    """A processor for the tiny Whisper: 16 mel bins over a 1 s window (64 frames, its encoder's input), and a
-    word-level tokenizer for its 300 ids whose start, end, language and task ids are special."""
-    extractor = transformers.WhisperFeatureExtractor(
-        feature_size=16, sampling_rate=RATE, hop_length=250, chunk_length=1
-    )
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t3"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3",
-        extra_special_tokens=[f"t{i}" for i in range(250, 263)],
-    )  # fmt: skip
-    return transformers.WhisperProcessor(feature_extractor=extractor, tokenizer=fast)
-
-
 def llama() -> tuple[PreTrainedModel, Any]:
     """The served Llama's factory: zoo's tiny Llama (seeded random weights) and its tokenizer."""
-    return cachelife.enable(zoo.build("llama").model), llama_tokenizer()
+    return cachelife.enable(zoo.build("llama").model), zoo.words_tokenizer()
 
 
 def whisper() -> tuple[PreTrainedModel, Any]:
     """The served Whisper's factory: zoo's tiny Whisper with language and task tokens, and its processor."""
     model = zoo.build("whisper").model
     zoo.whisper_tiny_generation(model.generation_config)
-    return cachelife.enable(model), whisper_processor()
+    return cachelife.enable(model), zoo.whisper_tiny_processor()
 
 
 def wav(samples: np.ndarray[Any, Any], *, rate: int = RATE, channels: int = 1, width: int = 2) -> bytes:
@@ -131,135 +93,6 @@ def multipart(fields: dict[str, str | bytes]) -> tuple[str, bytes]:
 
 
 # The request mapping, without Ray.
-
-
-def test_a_string_prompt_is_tokenized_and_openai_defaults_apply() -> None:
-    completion = parse_completion(b'{"prompt": "w10 w20"}', model_name="m", tokenizer=llama_tokenizer(), vocab_size=320)
-    assert completion == Completion((1, 10, 20), max_tokens=16, sampling=Sampling(temperature=1.0, top_p=1.0))
-
-
-def test_an_empty_string_prompt_is_the_tokenizers_start_token() -> None:
-    completion = parse_completion(b'{"prompt": ""}', model_name="m", tokenizer=llama_tokenizer(), vocab_size=320)
-    assert completion.prompt_ids == (1,)
-
-
-def test_a_token_prompt_and_every_setting_are_read() -> None:
-    body = b'{"model": "m", "prompt": [7, 8], "max_tokens": 4, "temperature": 0, "top_p": 0.5, "seed": 3}'
-    completion = parse_completion(body, model_name="m", tokenizer=llama_tokenizer(), vocab_size=320)
-    assert completion == Completion((7, 8), 4, Sampling(0.0, 0.5, 3))
-
-
-@pytest.mark.parametrize(
-    ("body", "message"),
-    [
-        ([1, 2], "the body must be a JSON object, got list"),
-        ("{", "the body must be JSON: Expecting property name"),
-        ({"prompt": "w5", "n": 2}, "unsupported fields ['n']: this server reads model, prompt, max_tokens"),
-        ({"prompt": "w5", "model": "gpt"}, "model must be 'm' (the model this server runs), got 'gpt'"),
-        (
-            {"prompt": []},
-            "prompt must be a string of at least one token or a non-empty list of token ids in [0, 320), got []",
-        ),
-        ({"prompt": [5, 320]}, "token ids in [0, 320), got [5, 320]"),
-        ({"prompt": ["w5"]}, "got ['w5']"),
-        ({"prompt": [True]}, "got [True]"),
-        ({"prompt": "w5", "max_tokens": 0}, "max_tokens must be a positive int, got 0"),
-        ({"prompt": "w5", "max_tokens": True}, "max_tokens must be a positive int, got True"),
-        ({"prompt": "w5", "temperature": 2.5}, "temperature must be a number in [0, 2], got 2.5"),
-        ({"prompt": "w5", "top_p": "high"}, "top_p must be a number in [0, 1], got 'high'"),
-        ({"prompt": "w5", "seed": -1}, "seed must be an int >= 0, got -1"),
-        ({"prompt": "w5", "seed": 2**64}, "seed must be an int from 0 to 2**64 - 1, got 18446744073709551616"),
-    ],
-)
-def test_a_bad_completion_request_says_what_was_expected_and_what_came(body: object, message: str) -> None:
-    data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-    with pytest.raises(InvalidArgumentError) as raised:
-        parse_completion(data, model_name="m", tokenizer=llama_tokenizer(), vocab_size=320)
-    assert message in str(raised.value)
-    assert error_answer(raised.value)[0] == 400
-
-
-def test_stream_is_read_and_must_be_a_bool() -> None:
-    body = b'{"prompt": "w10", "stream": true}'
-    assert parse_completion(body, model_name="m", tokenizer=llama_tokenizer(), vocab_size=320).stream
-    with pytest.raises(InvalidArgumentError, match="stream must be true or false, got 'yes'"):
-        parse_completion(b'{"prompt": "w10", "stream": "yes"}', model_name="m", tokenizer=llama_tokenizer(),
-                         vocab_size=320)  # fmt: skip
-
-
-def test_text_deltas_add_up_to_the_decoded_text() -> None:
-    tokenizer = llama_tokenizer()
-    ids = [10, 20, 2, 30]  # an end token (special: no text) in the middle
-    deltas = TextDeltas(tokenizer)
-    pieces = [deltas.add(token) for token in ids]
-    assert pieces == ["w10", " w20", "", " w30"]
-    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
-
-
-class _Bytes:
-    """A tokenizer whose tokens are bytes: a character of several bytes is unfinished until its last one."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return bytes(token_ids).decode(errors="replace")
-
-
-def test_text_deltas_hold_an_unfinished_character_back() -> None:
-    deltas = TextDeltas(_Bytes())
-    pieces = [deltas.add(byte) for byte in "aé!".encode()]
-    assert pieces == ["a", "", "é", "!"]
-
-
-def test_the_finish_reason_is_length_only_for_a_used_budget_without_an_end() -> None:
-    assert finish_reason([5, 6], 2, frozenset({2})) == "length"
-    assert finish_reason([5, 2], 2, frozenset({2})) == "stop"
-    assert finish_reason([5], 2, frozenset({2})) == "stop"
-
-
-def test_temperature_zero_is_greedy_and_a_seed_is_a_generator_seeded_with_it() -> None:
-    assert sampling_kwargs(Sampling(0.0, 0.5, 3), torch.device("cpu")) == {"do_sample": False}
-    kwargs = sampling_kwargs(Sampling(0.7, 0.9, 3), torch.device("cpu"))
-    generator = kwargs.pop("generator")
-    assert kwargs == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
-    assert torch.equal(torch.rand(4, generator=generator), torch.rand(4, generator=torch.Generator().manual_seed(3)))
-    assert "generator" not in sampling_kwargs(Sampling(0.7), torch.device("cpu"))
-
-
-def test_a_completion_is_one_row_with_its_mask_and_budget() -> None:
-    kwargs = completion_kwargs(Completion((1, 10, 20), 5, Sampling(0.0)), torch.device("cpu"))
-    assert kwargs.keys() == {"input_ids", "attention_mask", "max_new_tokens", "do_sample"}
-    assert kwargs["input_ids"].tolist() == [[1, 10, 20]]
-    assert kwargs["attention_mask"].tolist() == [[1, 1, 1]]
-    assert kwargs["max_new_tokens"] == 5
-
-
-@pytest.mark.parametrize(
-    ("tokens", "generated_from", "text", "finish", "completion_tokens"),
-    [
-        ([1, 10, 20, 30, 40], 2, "w20 w30 w40", "length", 3),  # the budget (3) is spent
-        ([1, 10, 20, 2], 2, "w20", "stop", 2),  # the end token came
-        ([0, 30, 2], 1, "w30", "stop", 2),  # an encoder-decoder's tokens start after its start token
-    ],
-)
-def test_a_completion_body_is_shaped_like_openais(
-    tokens: list[int], generated_from: int, text: str, finish: str, completion_tokens: int
-) -> None:
-    completion = Completion((1, 10), 3, Sampling(0.0))
-    body = completion_body(
-        torch.tensor([tokens]), completion, model_name="m", tokenizer=llama_tokenizer(), end_ids=frozenset({2}),
-        generated_from=generated_from,
-    )  # fmt: skip
-    assert body["id"].startswith("cmpl-")
-    assert isinstance(body["created"], int)
-    assert {key: body[key] for key in ("object", "model", "choices", "usage")} == {
-        "object": "text_completion",
-        "model": "m",
-        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 2, "completion_tokens": completion_tokens, "total_tokens": 2 + completion_tokens},
-    }
-    json.dumps(body)
 
 
 def test_a_multipart_form_gives_files_as_bytes_and_fields_as_text() -> None:
@@ -295,7 +128,7 @@ def test_a_wav_file_of_another_kind_is_refused_with_how_to_convert_it(data: byte
 
 
 def test_a_transcription_form_is_read_with_openais_defaults() -> None:
-    extractor = whisper_processor().feature_extractor
+    extractor = zoo.whisper_tiny_processor().feature_extractor
     request = parse_transcription({"file": wav(tone(0.5))}, model_name="m", feature_extractor=extractor, languages=())
     assert (request.audio.shape, request.language, request.sampling, request.response_format) == (
         (8000,), None, Sampling(0.0), "json",
@@ -318,7 +151,7 @@ def test_a_transcription_form_is_read_with_openais_defaults() -> None:
     ],
 )
 def test_a_bad_transcription_request_says_what_was_expected(fields: dict[str, str | bytes], message: str) -> None:
-    extractor = whisper_processor().feature_extractor
+    extractor = zoo.whisper_tiny_processor().feature_extractor
     with pytest.raises(InvalidArgumentError) as raised:
         parse_transcription(fields, model_name="m", feature_extractor=extractor, languages=("en", "de"))
     assert message in str(raised.value)
@@ -513,8 +346,16 @@ def test_bad_requests_and_wrong_paths_get_400_and_404_with_a_message(server: str
     assert json.loads(body)["error"]["message"].startswith("the body must be JSON")
     status, body = post(f"{server}/llama/v1/chat/completions", b"{}", "application/json")
     assert (status, json.loads(body)["error"]["message"]) == (
-        404, "this server answers POST /v1/completions, got POST /v1/chat/completions",
+        400, "messages must be a non-empty list of {role, content} objects, got None",
     )  # fmt: skip
+    status, body = post(f"{server}/llama/v1/embeddings", b"{}", "application/json")
+    assert status == 404
+    assert json.loads(body)["error"]["message"] == (
+        "this server answers GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions; "
+        "got POST /v1/embeddings"
+    )
+    status, body = answer(urllib.request.Request(f"{server}/llama/v1/completions", method="GET"))
+    assert status == 405
     content_type, form = multipart({"file": wav(tone(0.5), rate=44100)})
     status, body = post(f"{server}/whisper/v1/audio/transcriptions", form, content_type)
     assert status == 400
@@ -538,3 +379,145 @@ def test_a_served_transcription_is_cachelife_generates_tokens_decoded(server: st
     assert isinstance(tokens, torch.Tensor)
     expected = processor.tokenizer.decode(tokens[0].tolist(), skip_special_tokens=True)
     assert (json.loads(body)["text"] if response_format == "json" else body.decode()) == expected
+
+
+# The official openai client against the same server.
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[Callable[[str], Any]]:
+    """The official openai client of a served model by its name, each closed after the test."""
+    openai = pytest.importorskip("openai", reason="the openai client (a dev dependency) is not installed")
+    made: list[Any] = []
+
+    def of(model: str) -> Any:
+        made.append(openai.OpenAI(base_url=f"{server}/{model}/v1", api_key="unused", max_retries=0, timeout=120))
+        return made[-1]
+
+    yield of
+    for each in made:
+        each.close()
+
+
+def reference_tokens(ids: list[int], max_new_tokens: int, **settings: Any) -> list[int]:
+    """The new tokens of the served Llama's own `cachelife.generate` on the prompt `ids`."""
+    model, _ = llama()
+    prompt = torch.tensor([ids])
+    tokens = cachelife.generate(
+        model, input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+        compile_step=False, **settings,
+    )  # fmt: skip
+    assert isinstance(tokens, torch.Tensor)
+    return [int(token) for token in tokens[0, prompt.shape[1] :]]
+
+
+CHAT = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w10 w11 w12"}]
+
+
+def chat_ids() -> list[int]:
+    return [int(i) for i in zoo.words_tokenizer().apply_chat_template(CHAT, add_generation_prompt=True,
+                                                                       tokenize=True, return_dict=False)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_openai_client_lists_the_model_and_the_server_answers_health(
+    server: str, client: Callable[[str], Any]
+) -> None:
+    assert [model.id for model in client("llama").models.list()] == ["llama"]
+    assert [model.id for model in client("whisper").models.list()] == ["whisper"]
+    status, body = answer(urllib.request.Request(f"{server}/llama/health", method="GET"))
+    assert (status, json.loads(body)["status"]) == (200, "ok")
+
+
+@pytest.mark.slow
+def test_a_chat_through_the_openai_client_is_its_templated_prompts_generate(
+    server: str, client: Callable[[str], Any]
+) -> None:
+    answer = client("llama").chat.completions.create(
+        model="llama", messages=CHAT, max_completion_tokens=6, temperature=0, user="tester"
+    )
+    expected = reference_tokens(chat_ids(), 6, do_sample=False)
+    choice = answer.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == zoo.words_tokenizer().decode(expected, skip_special_tokens=True)
+    assert choice.finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(chat_ids()), 6)
+
+
+@pytest.mark.slow
+def test_a_streamed_chat_gives_the_same_text_then_its_usage(client: Callable[[str], Any]) -> None:
+    chunks = list(client("llama").chat.completions.create(
+        model="llama", messages=CHAT, max_completion_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    expected = zoo.words_tokenizer().decode(reference_tokens(chat_ids(), 6, do_sample=False), skip_special_tokens=True)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == expected
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 6
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+@pytest.mark.slow
+def test_a_stop_the_models_tokenizer_cannot_serve_is_a_400_saying_why(client: Callable[[str], Any]) -> None:
+    """The served word-level tokenizer has no decoder for transformers' stop strings to read: refused, not a 500
+    (test_replica.py serves stops with a tokenizer they read)."""
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match="stop is not supported for this model"):
+        client("llama").completions.create(model="llama", prompt="w10", max_tokens=4, stop=["w20"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_each_seeded_with_the_seed_plus_their_index(client: Callable[[str], Any], stream: bool) -> None:
+    settings: dict[str, Any] = {"model": "llama", "prompt": [1, 40, 50], "max_tokens": 5, "temperature": 0.9,
+                                "seed": 2**64 - 2, "n": 3}  # fmt: skip
+    completions = client("llama").completions
+    tokenizer = zoo.words_tokenizer()
+    expected = [
+        tokenizer.decode(reference_tokens([1, 40, 50], 5, do_sample=True, temperature=0.9,
+                                          generator=torch.Generator().manual_seed(seed)), skip_special_tokens=True)
+        for seed in (2**64 - 2, 2**64 - 1, 0)
+    ]  # fmt: skip
+    if stream:
+        texts = ["", "", ""]
+        for chunk in completions.create(**settings, stream=True):
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+    else:
+        texts = [choice.text for choice in sorted(completions.create(**settings).choices, key=lambda c: c.index)]
+    assert texts == expected
+    assert len(set(texts)) > 1
+
+
+@pytest.mark.slow
+def test_what_the_server_does_not_decode_is_a_400_naming_the_field_through_the_client(
+    server: str, client: Callable[[str], Any]
+) -> None:
+    openai = pytest.importorskip("openai")
+    llama_client = client("llama")
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported by this server"):
+        llama_client.completions.create(model="llama", prompt="w10", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+        llama_client.chat.completions.create(model="llama", messages=CHAT, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match=r"unsupported fields \['tools'\]"):
+        llama_client.chat.completions.create(model="llama", messages=CHAT, tools=[{"type": "function",
+                                             "function": {"name": "f", "parameters": {}}}])  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        llama_client.embeddings.create(model="llama", input="w10")
+
+
+@pytest.mark.slow
+def test_a_served_translation_is_cachelife_generates_translate_task(server: str) -> None:
+    audio = tone(0.5)
+    content_type, form = multipart({"file": wav(audio), "language": "de"})
+    status, body = post(f"{server}/whisper/v1/audio/translations", form, content_type)
+    assert status == 200, body
+    model, processor = whisper()
+    features = processor.feature_extractor(read_wav(wav(audio), RATE), sampling_rate=RATE, return_tensors="pt")
+    tokens = cachelife.generate(model, input_features=features["input_features"], language="de", task="translate",
+                                do_sample=False, compile_step=False)  # fmt: skip
+    assert isinstance(tokens, torch.Tensor)
+    # The tiny random Whisper writes the same words for either task: test_replica.py checks the task asked for.
+    assert json.loads(body)["text"] == processor.tokenizer.decode(tokens[0].tolist(), skip_special_tokens=True)

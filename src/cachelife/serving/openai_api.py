@@ -1,8 +1,9 @@
 """OpenAI-shaped HTTP requests and answers for an engine, as plain functions (no web framework, no Ray).
 
-A completion's JSON body or a transcription's multipart form is checked into a value (`Completion`,
-`Transcription`) whose `*_kwargs` are one `Engine.generate` call; `completion_body` and `transcription_body`
-shape the answer from its tokens; `error_answer` answers a failure. `ray_serve` serves them.
+What every endpoint shares (the sampling, field checks, errors in OpenAI's shape, server-sent events, the model
+list) and the transcription endpoint: a multipart form is checked into a `Transcription` whose
+`transcription_kwargs` are one `Engine.generate` call, and `transcription_body` shapes the answer. The text
+endpoints are `openai_text`'s; `ray_serve` serves them all.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import email.policy
 import io
 import json
-import time
-import uuid
 import wave
 from collections.abc import Mapping, Sequence
 from email import message_from_bytes
@@ -20,7 +19,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 import torch
-from attrs import define, field, frozen
+from attrs import frozen
 from transformers import PreTrainedModel
 
 from cachelife.errors import (
@@ -30,12 +29,12 @@ from cachelife.errors import (
     RequestTimeoutError,
     UnsupportedGenerationError,
 )
-from cachelife.validate import check_int, is_int_at_least
 
-COMPLETIONS: Final = "/v1/completions"
 TRANSCRIPTIONS: Final = "/v1/audio/transcriptions"
+TRANSLATIONS: Final = "/v1/audio/translations"
+MODELS: Final = "/v1/models"
+HEALTH: Final = "/health"
 SEEDS: Final = 2**64
-COMPLETION_FIELDS: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream")
 TRANSCRIPTION_FIELDS: Final = ("file", "model", "language", "temperature", "response_format")
 RESPONSE_FORMATS: Final = ("json", "text")
 # The first entry an error is an instance of gives its HTTP status; anything else is a 500.
@@ -84,17 +83,6 @@ class Sampling:
     seed: int | None = None
 
 
-@frozen
-class Completion:
-    """A checked completion request: the prompt's token ids, the token budget, the sampling, and whether the
-    answer streams (server-sent events, a chunk per piece of text)."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: Sampling
-    stream: bool = False
-
-
 @frozen(eq=False)  # an array has no one truth value
 class Transcription:
     """A checked transcription request: mono samples in [-1, 1], the language, the sampling and the format."""
@@ -105,7 +93,7 @@ class Transcription:
     response_format: str
 
 
-def _number(name: str, value: object, low: float, high: float) -> float:
+def number(name: str, value: object, low: float, high: float) -> float:
     """`value` as a float if it is a number (not a bool) in [low, high]."""
     if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
         return float(value)
@@ -113,7 +101,7 @@ def _number(name: str, value: object, low: float, high: float) -> float:
     raise InvalidArgumentError(msg)
 
 
-def _check_fields(body: Mapping[str, object], known: Sequence[str], model_name: str) -> None:
+def check_fields(body: Mapping[str, object], known: Sequence[str], model_name: str) -> None:
     unknown = sorted(set(body) - set(known))
     if unknown:
         msg = f"unsupported fields {unknown!r}: this server reads {', '.join(known)}"
@@ -121,46 +109,6 @@ def _check_fields(body: Mapping[str, object], known: Sequence[str], model_name: 
     if body.get("model", model_name) != model_name:
         msg = f"model must be {model_name!r} (the model this server runs), got {body['model']!r}"
         raise InvalidArgumentError(msg)
-
-
-def parse_completion(data: bytes, *, model_name: str, tokenizer: Tokenizer, vocab_size: int) -> Completion:
-    """A completion request's JSON body, checked: `prompt` (a string, or a list of token ids), `max_tokens`
-    (OpenAI's default 16), `temperature` (default 1; 0 is greedy), `top_p`, `seed` and `stream`."""
-    try:
-        body = json.loads(data)
-    except ValueError as error:
-        msg = f"the body must be JSON: {error}"
-        raise InvalidArgumentError(msg) from error
-    if not isinstance(body, dict):
-        msg = f"the body must be a JSON object, got {type(body).__name__}: {body!r:.80}"
-        raise InvalidArgumentError(msg)
-    _check_fields(body, COMPLETION_FIELDS, model_name)
-    prompt = body.get("prompt")
-    ids: list[int] = []
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(is_int_at_least(i, 0) and i < vocab_size for i in prompt):
-        ids = prompt
-    if not ids:
-        msg = (
-            f"prompt must be a string of at least one token or a non-empty list of token ids in [0, {vocab_size}), "
-            f"got {prompt!r:.80}"
-        )
-        raise InvalidArgumentError(msg)
-    seed = body.get("seed")
-    if seed is not None and (check_int("seed", seed, minimum=0) >= SEEDS):  # torch's generators take 64 bits
-        msg = f"seed must be an int from 0 to 2**64 - 1, got {seed!r}"
-        raise InvalidArgumentError(msg)
-    sampling = Sampling(
-        temperature=_number("temperature", body.get("temperature", 1), 0, 2),
-        top_p=_number("top_p", body.get("top_p", 1), 0, 1),
-        seed=seed,
-    )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        msg = f"stream must be true or false, got {stream!r:.80}"
-        raise InvalidArgumentError(msg)
-    return Completion(tuple(ids), check_int("max_tokens", body.get("max_tokens", 16)), sampling, stream)
 
 
 def sampling_kwargs(sampling: Sampling, device: torch.device) -> dict[str, Any]:
@@ -172,85 +120,6 @@ def sampling_kwargs(sampling: Sampling, device: torch.device) -> dict[str, Any]:
     if sampling.seed is not None:
         kwargs["generator"] = torch.Generator(device=device).manual_seed(sampling.seed)
     return kwargs
-
-
-def completion_kwargs(completion: Completion, device: torch.device) -> dict[str, Any]:
-    """The `generate` arguments of one completion (batch 1) on `device`."""
-    ids = torch.tensor([completion.prompt_ids], dtype=torch.long, device=device)
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "max_new_tokens": completion.max_tokens,
-        **sampling_kwargs(completion.sampling, device),
-    }
-
-
-def completion_body(
-    tokens: torch.Tensor,
-    completion: Completion,
-    *,
-    model_name: str,
-    tokenizer: Tokenizer,
-    end_ids: frozenset[int],
-    generated_from: int,
-) -> dict[str, Any]:
-    """OpenAI's completion object for `generate`'s tokens (1, n), whose new tokens start at `generated_from`
-    (the prompt's length for a decoder-only model, 1 after an encoder-decoder's start token)."""
-    generated = [int(t) for t in tokens[0, generated_from:]]
-    finish = finish_reason(generated, completion.max_tokens, end_ids)
-    prompt_tokens = len(completion.prompt_ids)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model_name,
-        "choices": [
-            {"index": 0, "text": tokenizer.decode(generated, skip_special_tokens=True), "finish_reason": finish}
-        ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(generated),
-            "total_tokens": prompt_tokens + len(generated),
-        },
-    }
-
-
-def finish_reason(generated: Sequence[int], max_tokens: int, end_ids: frozenset[int]) -> str:
-    """OpenAI's reason a completion ended: "length" when it used its budget without an end token, else "stop"."""
-    ended = bool(generated) and generated[-1] in end_ids
-    return "length" if len(generated) >= max_tokens and not ended else "stop"
-
-
-@define
-class TextDeltas:
-    """A completion's text as it grows, token by token: each call to `add` returns the text not handed out yet.
-    Every token is decoded with those before it (a tokenizer may write a token otherwise next to others), and
-    text that ends in an unfinished character (U+FFFD, bytes the next token completes) is held back."""
-
-    tokenizer: Tokenizer
-    ids: list[int] = field(factory=list)
-    sent: int = 0  # characters handed out so far
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
-
-
-def completion_chunk(
-    text: str, *, completion_id: str, created: int, model_name: str, finish: str | None = None
-) -> dict[str, Any]:
-    """One chunk of a streamed completion, as OpenAI's server-sent events carry it."""
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model_name,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-    }
 
 
 def server_sent_event(data: Mapping[str, Any] | str) -> str:
@@ -301,7 +170,7 @@ def parse_transcription(
     """A transcription request's form, checked: `file` (a WAV file no longer than the model's window),
     `language` (one of `languages`, the model's codes), `temperature` (default 0, greedy) and `response_format`
     ("json" or "text")."""
-    _check_fields(fields, TRANSCRIPTION_FIELDS, model_name)
+    check_fields(fields, TRANSCRIPTION_FIELDS, model_name)
     file = fields.get("file")
     if not isinstance(file, bytes):
         msg = f"file must be an uploaded WAV file (curl -F file=@audio.wav), got {file!r:.80}"
@@ -328,7 +197,7 @@ def parse_transcription(
     return Transcription(
         audio,
         str(language) if language is not None else None,
-        Sampling(_number("temperature", temperature, 0, 1)),
+        Sampling(number("temperature", temperature, 0, 1)),
         str(response_format),
     )
 
@@ -351,6 +220,12 @@ def transcription_kwargs(
 def transcription_body(text: str, response_format: str) -> str | dict[str, str]:
     """OpenAI's transcription answer: {"text": ...} for JSON, or the text alone."""
     return text if response_format == "text" else {"text": text}
+
+
+def models_body(model_name: str) -> dict[str, Any]:
+    """OpenAI's model list: the one model this server runs."""
+    model = {"id": model_name, "object": "model", "created": 0, "owned_by": "cachelife"}
+    return {"object": "list", "data": [model]}
 
 
 def error_body(message: str, kind: str) -> dict[str, Any]:

@@ -1,20 +1,20 @@
 """A Ray Serve application of one model's `Engine`, answering OpenAI-shaped HTTP requests (the `serve` extra).
 
 `application(factory, name=...)` builds it: each replica calls `factory()` for the model and its tokenizer (a
-text model: `POST /v1/completions`, streamed as server-sent events with `"stream": true`) or its processor
-(Whisper: `POST /v1/audio/transcriptions`) and serves them through one `Engine`; `openai_api` reads the
-requests and shapes the answers. Nothing else in cachelife imports this module, so cachelife imports without
-Ray.
+text model: `POST /v1/completions` and `POST /v1/chat/completions`, streamed as server-sent events with
+`"stream": true`) or its processor (Whisper: `POST /v1/audio/transcriptions` and, where the model translates,
+`/v1/audio/translations`), with `GET /v1/models` and `GET /health` beside, and serves them through one `Engine`;
+`openai_api` and `openai_text` read the requests and shape the answers. Nothing else in cachelife imports
+this module, so cachelife imports without Ray.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
-import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from ray import serve
@@ -26,24 +26,35 @@ from transformers import PreTrainedModel
 from cachelife.errors import InvalidArgumentError
 from cachelife.serving.engine import Engine
 from cachelife.serving.openai_api import (
-    COMPLETIONS,
+    HEALTH,
+    MODELS,
     TRANSCRIPTIONS,
+    TRANSLATIONS,
     AudioProcessor,
-    Completion,
-    TextDeltas,
     Tokenizer,
-    completion_body,
-    completion_chunk,
-    completion_kwargs,
     error_answer,
     error_body,
-    finish_reason,
     form_fields,
-    parse_completion,
+    models_body,
     parse_transcription,
     server_sent_event,
     transcription_body,
     transcription_kwargs,
+)
+from cachelife.serving.openai_text import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    Answer,
+    Completion,
+    TextDeltas,
+    answer_body,
+    completion_kwargs,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    role_chunk,
+    text_chunk,
+    usage_chunk,
 )
 from cachelife.validate import check_int
 
@@ -55,73 +66,95 @@ Factory = Callable[[], tuple[PreTrainedModel, Tokenizer | AudioProcessor]]
 
 
 class Replica:
-    """One Serve replica: the factory's model and tokenizer or processor, one `Engine`, one HTTP endpoint."""
+    """One Serve replica: the factory's model and tokenizer or processor, one `Engine`, OpenAI's endpoints."""
 
     def __init__(self, factory: Factory, model_name: str, engine_options: Mapping[str, Any]) -> None:
         model, helper = factory()
         self._model, self._name = model, model_name
-        self._answer: Callable[[Request], Awaitable[Response]]
+        self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
+            ("GET", MODELS): self._models,
+            ("GET", HEALTH): self._health,
+        }
         if model.main_input_name == "input_features":
             if not isinstance(helper, AudioProcessor):
                 msg = f"the factory of {model_name!r} must return a processor with feature_extractor and tokenizer"
                 raise InvalidArgumentError(msg)
             # Whisper's language tokens, "<|en|>": OpenAI's API names a language by its code.
             languages = tuple(token[2:-2] for token in getattr(model.generation_config, "lang_to_id", None) or ())
-            self._path, self._answer = TRANSCRIPTIONS, functools.partial(self._transcribe, helper, languages)
+            tasks = getattr(model.generation_config, "task_to_id", None) or {}
+            for path, task in ((TRANSCRIPTIONS, "transcribe"), (TRANSLATIONS, "translate")):
+                if task in tasks or path == TRANSCRIPTIONS:
+                    self._routes["POST", path] = functools.partial(self._transcribe, helper, languages, task)
         else:
             if not isinstance(helper, Tokenizer):
                 msg = f"the factory of {model_name!r} must return a tokenizer with encode and decode"
                 raise InvalidArgumentError(msg)
-            self._path, self._answer = COMPLETIONS, functools.partial(self._complete, helper)
+            vocab = int(model.config.vocab_size)
+            parsers: dict[str, Callable[[bytes], Completion]] = {
+                COMPLETIONS: functools.partial(
+                    parse_completion, model_name=model_name, tokenizer=helper, vocab_size=vocab
+                ),
+                CHAT_COMPLETIONS: functools.partial(parse_chat, model_name=model_name, tokenizer=helper),
+            }
+            for path, parse in parsers.items():
+                self._routes["POST", path] = functools.partial(self._text, helper, parse)
+        end = model.generation_config.eos_token_id
+        self._end_ids = frozenset([end] if isinstance(end, int) else end or ())
         self._engine = Engine(model, **engine_options)
-        logger.info("serving %s on %s at %s", model_name, model.device, self._path)
+        logger.info("serving %s on %s at %s", model_name, model.device, ", ".join(p for _, p in self._routes))
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
-        if path != self._path or request.method != "POST":
-            msg = f"this server answers POST {self._path}, got {request.method} {path}"
-            return JSONResponse(error_body(msg, "not_found"), 404 if path != self._path else 405)
+        answer = self._routes.get((request.method, path))
+        if answer is None:
+            routes = ", ".join(f"{method} {route}" for method, route in self._routes)
+            msg = f"this server answers {routes}; got {request.method} {path}"
+            known = any(route == path for _, route in self._routes)
+            return JSONResponse(error_body(msg, "not_found"), 405 if known else 404)
         try:
-            return await self._answer(request)
+            return await answer(request)
         except Exception as error:  # every failure is this request's answer; the replica goes on
             status, body = error_answer(error)
             if status == 500:
-                logger.exception("request to %s failed", self._path)
+                logger.exception("request to %s failed", path)
             return JSONResponse(body, status)
 
-    async def _complete(self, tokenizer: Tokenizer, request: Request) -> Response:
-        model, data = self._model, await request.body()
-        completion = parse_completion(
-            data, model_name=self._name, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size)
-        )
-        end = model.generation_config.eos_token_id
-        end_ids = frozenset([end] if isinstance(end, int) else end or ())
-        kwargs = completion_kwargs(completion, model.device)
-        if completion.stream:
-            tokens = self._engine.stream(**kwargs)
-            # A failure before the first token (a full queue, a bad request) is an answer with its status.
-            first = await anext(tokens, None)
-            events = _events(tokens, first, completion, model_name=self._name, tokenizer=tokenizer, end_ids=end_ids)
-            return StreamingResponse(events, media_type="text/event-stream")
-        generated = await self._engine.generate(**kwargs)
-        return JSONResponse(
-            completion_body(
-                generated,
-                completion,
-                model_name=self._name,
-                tokenizer=tokenizer,
-                end_ids=end_ids,
-                generated_from=1 if model.config.is_encoder_decoder else len(completion.prompt_ids),
-            )
-        )
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse(models_body(self._name))
 
-    async def _transcribe(self, processor: AudioProcessor, languages: Sequence[str], request: Request) -> Response:
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self._name, **{"held": self._engine.stats().held}})
+
+    async def _text(self, tokenizer: Tokenizer, parse: Callable[[bytes], Completion], request: Request) -> Response:
+        completion = parse(await request.body())
+        answer = Answer(model_name=self._name, tokenizer=tokenizer, end_ids=self._end_ids)
+        device = self._model.device
+        arguments = [completion_kwargs(completion, device, tokenizer, index) for index in range(completion.n)]
+        if completion.stream:
+            streams = [self._engine.stream(**kwargs) for kwargs in arguments]
+            # A failure before the first tokens (a full queue, a bad request) is an answer with its status.
+            firsts = await asyncio.gather(*(anext(stream, None) for stream in streams), return_exceptions=True)
+            failed = [first for first in firsts if isinstance(first, BaseException)]
+            if failed:
+                await asyncio.gather(*(stream.aclose() for stream in streams), return_exceptions=True)
+                raise failed[0]
+            events = _events(streams, [f for f in firsts if not isinstance(f, BaseException)], completion, answer)
+            return StreamingResponse(events, media_type="text/event-stream")
+        outputs = await _all([self._engine.generate(**kwargs) for kwargs in arguments])
+        start = 1 if self._model.config.is_encoder_decoder else len(completion.prompt_ids)
+        choices = [[int(token) for token in output[0, start:]] for output in outputs]
+        return JSONResponse(answer_body(choices, completion, answer))
+
+    async def _transcribe(
+        self, processor: AudioProcessor, languages: Sequence[str], task: str, request: Request
+    ) -> Response:
         fields = form_fields(request.headers.get("content-type", ""), await request.body())
         extractor = processor.feature_extractor
         transcription = parse_transcription(
             fields, model_name=self._name, feature_extractor=extractor, languages=languages
         )
-        tokens = await self._engine.generate(**transcription_kwargs(transcription, processor, self._model))
+        kwargs = transcription_kwargs(transcription, processor, self._model)
+        tokens = await self._engine.generate(**kwargs, task=task)
         text = processor.tokenizer.decode([int(t) for t in tokens[0]], skip_special_tokens=True)
         body = transcription_body(text, transcription.response_format)
         return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
@@ -132,29 +165,67 @@ class Replica:
             self._engine.close()
 
 
-async def _events(
-    tokens: AsyncGenerator[int, None], first: int | None, completion: Completion, *, model_name: str,
-    tokenizer: Tokenizer, end_ids: frozenset[int],
-) -> AsyncGenerator[str, None]:  # fmt: skip
-    """A streamed completion as OpenAI's server-sent events: a chunk per new piece of text, a last chunk with
-    the finish reason (or, for a failure after the first token, OpenAI's error object), then "[DONE]". A client
-    that goes away closes this generator, which cancels the request."""
-    chunk = functools.partial(
-        completion_chunk, completion_id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model_name=model_name
-    )
-    deltas, generated, token = TextDeltas(tokenizer), [], first
+async def _all(requests: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Every request's result; the first failure cancels the others and is raised."""
     try:
-        while token is not None:
-            generated.append(token)
-            if text := deltas.add(token):
-                yield server_sent_event(chunk(text))
-            token = await anext(tokens, None)
-        yield server_sent_event(chunk("", finish=finish_reason(generated, completion.max_tokens, end_ids)))
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(request) for request in requests]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _events(
+    streams: list[AsyncGenerator[int, None]], firsts: list[int | None], completion: Completion, answer: Answer
+) -> AsyncGenerator[str, None]:
+    """A streamed answer as OpenAI's server-sent events: for each choice (a chat's opened by the assistant's
+    role) a chunk per new piece of text and a last chunk with its finish reason, in the order they come; with
+    `include_usage` a usage chunk; then "[DONE]". A failure after the first tokens is the stream's last event,
+    OpenAI's error object. A client that goes away closes this generator, which cancels the requests."""
+    queue: asyncio.Queue[tuple[int, int | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[int, None], first: int | None) -> None:
+        try:
+            token = first
+            while token is not None:
+                await queue.put((index, token))
+                token = await anext(stream, None)
+            await queue.put((index, None))
+        except Exception as error:  # handed to the stream's reader
+            await queue.put((index, error))
+
+    pumps = [
+        asyncio.create_task(pump(i, stream, first))
+        for i, (stream, first) in enumerate(zip(streams, firsts, strict=True))
+    ]
+    deltas = [TextDeltas(answer.tokenizer, completion.stop) for _ in streams]
+    generated: list[list[int]] = [[] for _ in streams]
+    try:
+        if completion.chat:
+            for index in range(len(streams)):
+                yield server_sent_event(role_chunk(answer, completion, index))
+        for _ in range(len(streams)):
+            while True:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    break
+                generated[index].append(item)
+                if text := deltas[index].add(item):
+                    yield server_sent_event(text_chunk(answer, completion, index, text, None))
+            rest, stopped = deltas[index].rest(), deltas[index].stopped
+            finish = finish_reason(generated[index], completion.max_tokens, answer.end_ids, stopped=stopped)
+            yield server_sent_event(text_chunk(answer, completion, index, rest, finish))
+        if completion.include_usage:
+            yield server_sent_event(usage_chunk(answer, completion, sum(len(tokens) for tokens in generated)))
     except Exception as error:  # the status is sent already: the error is the stream's last event
-        logger.exception("a streamed completion failed after %d tokens", len(generated))
+        logger.exception("a streamed answer failed after %d tokens", sum(len(tokens) for tokens in generated))
         yield server_sent_event(error_answer(error)[1])
     finally:
-        await tokens.aclose()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*(stream.aclose() for stream in streams), return_exceptions=True)
     yield server_sent_event("[DONE]")
 
 
