@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cachelife.errors import InvalidArgumentError
+from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.openai_api import Sampling, error_answer, sampling_kwargs
 from cachelife.serving.openai_text import (
     Answer,
@@ -94,8 +95,8 @@ def test_a_chat_is_its_messages_through_the_chat_template_with_the_assistants_tu
         ({"prompt": "w5", "n": 0}, "n must be a positive int, got 0"),
         ({"prompt": "w5", "n": 17}, "n must be at most 16, got 17"),
         ({"prompt": "w5", "user": 5}, "user must be a string, got 5"),
-        ({"prompt": "w5", "presence_penalty": 0.5}, "presence_penalty is not supported by this server"),
-        ({"prompt": "w5", "frequency_penalty": 1}, "frequency_penalty is not supported by this server"),
+        ({"prompt": "w5", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2], got 2.5"),
+        ({"prompt": "w5", "frequency_penalty": "x"}, "frequency_penalty must be a number in [-2, 2], got 'x'"),
         ({"prompt": "w5", "logprobs": 2}, "logprobs is not supported by this server (only null), got 2"),
     ],
 )
@@ -158,10 +159,19 @@ def test_each_choice_is_one_row_with_its_mask_budget_stops_and_its_own_seed() ->
     assert (first["max_new_tokens"], first["stop_strings"], first["tokenizer"]) == (5, ["w9"], TOKENIZER)
     assert first["generator"].initial_seed() == 2**64 - 1
     assert second["generator"].initial_seed() == 0  # the seed plus the choice's index, in 64 bits
-    plain = completion_kwargs(
-        Completion(prompt_ids=(1,), max_tokens=2, sampling=Sampling(0.0)), torch.device("cpu"), None
-    )
-    assert "stop_strings" not in plain
+    plain = Completion(prompt_ids=(1,), max_tokens=2, sampling=Sampling(0.0))
+    assert completion_kwargs(plain, torch.device("cpu"), None).keys() == {
+        "input_ids", "attention_mask", "max_new_tokens", "do_sample"
+    }  # fmt: skip
+
+
+def test_the_penalties_are_an_occurrence_penalty_after_the_prompt() -> None:
+    read = completion({"prompt": "w10 w20", "presence_penalty": 0.5, "frequency_penalty": -1})
+    assert (read.presence_penalty, read.frequency_penalty) == (0.5, -1.0)
+    (penalty,) = completion_kwargs(read, torch.device("cpu"), TOKENIZER)["logits_processor"]
+    assert isinstance(penalty, OccurrencePenalty)
+    assert (penalty.presence, penalty.frequency, penalty.prompt_length) == (0.5, -1.0, 3)
+    assert completion({"prompt": "w10", "presence_penalty": 0, "frequency_penalty": None}).presence_penalty == 0
 
 
 def test_the_text_ends_before_the_first_stop_and_the_finish_reason_says_why() -> None:

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedModel
+from transformers.generation.logits_process import LogitsProcessorList
 
 import cachelife
 from cachelife.errors import (
@@ -35,6 +36,7 @@ from cachelife.errors import (
     RequestTimeoutError,
     UnsupportedGenerationError,
 )
+from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.openai_api import (
     Sampling,
     error_answer,
@@ -499,8 +501,10 @@ def test_what_the_server_does_not_decode_is_a_400_naming_the_field_through_the_c
     llama_client = client("llama")
     with pytest.raises(openai.BadRequestError, match="logprobs is not supported by this server"):
         llama_client.completions.create(model="llama", prompt="w10", max_tokens=2, logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
-        llama_client.chat.completions.create(model="llama", messages=CHAT, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match=r"unsupported fields \['logit_bias'\]"):
+        llama_client.chat.completions.create(model="llama", messages=CHAT, logit_bias={"5": 1})
+    with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be a number in \[-2, 2\]"):
+        llama_client.chat.completions.create(model="llama", messages=CHAT, presence_penalty=3)
     with pytest.raises(openai.BadRequestError, match=r"unsupported fields \['tools'\]"):
         llama_client.chat.completions.create(model="llama", messages=CHAT, tools=[{"type": "function",
                                              "function": {"name": "f", "parameters": {}}}])  # fmt: skip
@@ -521,3 +525,18 @@ def test_a_served_translation_is_cachelife_generates_translate_task(server: str)
     assert isinstance(tokens, torch.Tensor)
     # The tiny random Whisper writes the same words for either task: test_replica.py checks the task asked for.
     assert json.loads(body)["text"] == processor.tokenizer.decode(tokens[0].tolist(), skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_penalties_through_the_client_are_the_requests_generate_with_an_occurrence_penalty(
+    client: Callable[[str], Any],
+) -> None:
+    tokenizer = zoo.words_tokenizer()
+    ids = tokenizer.encode("w10 w20 w30")
+    answer = client("llama").completions.create(
+        model="llama", prompt="w10 w20 w30", max_tokens=12, temperature=0, presence_penalty=1.5, frequency_penalty=1
+    )
+    penalty = OccurrencePenalty(presence=1.5, frequency=1.0, prompt_length=len(ids))
+    expected = reference_tokens(ids, 12, do_sample=False, logits_processor=LogitsProcessorList([penalty]))
+    assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert expected != reference_tokens(ids, 12, do_sample=False)  # the penalties change this completion

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as lp
 
+from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.row_settings import PerRow, RowSettings, per_row, pick, process
 
 VOCAB = 40
@@ -39,6 +40,15 @@ ROWS: list[tuple[bool, Callable[[], list[lp.LogitsProcessor]]]] = [
     (False, lambda: [lp.ForcedBOSTokenLogitsProcessor(11), lp.ForcedEOSTokenLogitsProcessor(8, 7)]),
     (False, lambda: [lp.ForcedEOSTokenLogitsProcessor(7, [3, 9])]),
     (False, lambda: [lp.MinLengthLogitsProcessor(8, EOS)]),
+    (False, lambda: [OccurrencePenalty(presence=0.5, frequency=0.3, prompt_length=2)]),
+    (
+        True,
+        lambda: [
+            lp.RepetitionPenaltyLogitsProcessor(1.1),
+            OccurrencePenalty(presence=-0.4, frequency=1.5, prompt_length=4),
+            lp.TemperatureLogitsWarper(0.8),
+        ],
+    ),
 ]
 
 

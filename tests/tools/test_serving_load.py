@@ -119,7 +119,8 @@ def check_every_answer(outcomes: list[Outcome], requests: Sequence[Planned]) -> 
     return counted
 
 
-@pytest.mark.parametrize(("clients", "rate"), [(4, None), (32, 400.0)], ids=["closed-loop", "open-loop"])
+# At most 16 requests in flight, under the engine's 20 places: a slow machine makes requests wait, never refused.
+@pytest.mark.parametrize(("clients", "rate"), [(4, None), (16, 400.0)], ids=["closed-loop", "open-loop"])
 def test_the_engine_completes_every_good_request_and_refuses_every_bad_one(clients: int, rate: float | None) -> None:
     requests = plan(32, seed=0, bad_share=0.25, bad_kinds=BAD_KINDS["engine"], **SHAPES)
     timed = requests if rate is None else arrivals(requests, rate, seed=0)

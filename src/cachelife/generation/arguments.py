@@ -16,11 +16,11 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
 from cachelife.errors import UnsupportedGenerationError
+from cachelife.generation.processors import unsupported_processor
 
 # Arguments of `generate` whose presence (with a value that is not None, empty or False) asks for a
 # feature that cachelife.generate leaves to transformers.
 FALLBACK_ARGUMENTS: tuple[str, ...] = (
-    "logits_processor",
     "prefix_allowed_tokens_fn",
     "assistant_model",
     "assistant_tokenizer",
@@ -63,7 +63,14 @@ SUPPORTED_MODES = (
 
 
 def unsupported_argument(kwargs: Mapping[str, Any]) -> str | None:
-    """The first argument (or input property) of this call that asks for an unimplemented feature."""
+    """The first argument (or input property) of this call that asks for an unimplemented feature; a
+    `logits_processor` list only for a processor that cachelife does not run (it runs its own `OccurrencePenalty`
+    and the transformers processors `generation.processors` converts)."""
+    custom = kwargs.get("logits_processor")
+    if custom:
+        reason = unsupported_processor(list(custom))
+        if reason is not None:
+            return reason if reason.startswith("logits_processor") else f"logits_processor ({reason})"
     for name in FALLBACK_ARGUMENTS:
         value = kwargs.get(name)
         if value is not None and value is not False and not (isinstance(value, list | tuple) and not value):

@@ -30,6 +30,7 @@ max_length - 1) held as 0-dim tensors too, so that calls of other lengths share 
 | EncoderNoRepeatNGramLogitsProcessor   | rewritten (the encoder's n-grams as tensors) |
 | ExponentialDecayLengthPenalty         | rewritten (`length > start`, the power in float64) |
 | WhisperTimeStampLogitsProcessor       | rewritten (the generated tokens from `begin_index` to `length`) |
+| cachelife's OccurrencePenalty (`penalties`) | rewritten (tokens from the prompt's end to `length` counted) |
 
 Whisper's generate moves the begin index of its processors to each segment's decoder prompt
 (`set_begin_index`) before it calls the decoding method; the rewrites read it when the method converts them.
@@ -47,6 +48,7 @@ from attrs import frozen
 from transformers.generation import logits_process as lp
 
 from cachelife.errors import UnsupportedGenerationError
+from cachelife.generation.penalties import OccurrencePenalty, Occurrences
 from cachelife.generation.rewrites import (
     EncoderNoRepeatNGram,
     Eta,
@@ -191,6 +193,8 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
             return ExponentialDecay(eos, start, factor, _spares_infinite(processor, eos))
         case lp.WhisperTimeStampLogitsProcessor():
             return _whisper_timestamps(processor, device)
+        case OccurrencePenalty():
+            return Occurrences.of(processor, device)
         case _:
             return Called(processor)
 
@@ -277,4 +281,5 @@ _REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
     lp.EncoderNoRepeatNGramLogitsProcessor,
     lp.ExponentialDecayLengthPenalty,
     lp.WhisperTimeStampLogitsProcessor,
+    OccurrencePenalty,
 )

@@ -3,8 +3,9 @@
 A request's JSON body is checked into a `Completion` (a chat's messages become its prompt through the
 tokenizer's chat template); `completion_kwargs(completion, index)` is one `Engine.generate` call per choice
 (`n` of them, choice i seeded with `seed + i`); `answer_body` shapes the answer from the choices' tokens and
-`Chunks` the streamed one. Stops (`stop`) are the engine's `stop_strings`: the returned text ends before the
-stop, as OpenAI's does. What OpenAI's API has and this server does not decode is refused with a 400 naming it.
+the chunk functions the streamed one. Stops (`stop`) are the engine's `stop_strings`: the returned text ends
+before the stop, as OpenAI's does; the presence and frequency penalties are cachelife's `OccurrencePenalty`.
+What OpenAI's API has and this server does not decode is refused with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from typing import Any, Final
 
 import torch
 from attrs import define, field, frozen
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from cachelife.errors import InvalidArgumentError
+from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.openai_api import SEEDS, Sampling, Tokenizer, check_fields, number, sampling_kwargs
 from cachelife.validate import check_int, is_int_at_least
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
-# Read on both endpoints (logprobs and the penalties only at their "off" values: see `_refuse_unless_off`).
+# Read on both endpoints (logprobs only at its "off" values: see `_refuse_unless_off`).
 COMMON_FIELDS: Final = (
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream", "stream_options",
     "stop", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
@@ -46,6 +49,8 @@ class Completion:
     max_tokens: int
     sampling: Sampling
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -125,8 +130,6 @@ def _refuse_unless_off(body: Mapping[str, object], name: str, off: Sequence[obje
 
 
 def _completion(body: Mapping[str, Any], ids: list[int], *, chat: bool, tokenizer: Any) -> Completion:
-    for name in ("presence_penalty", "frequency_penalty"):
-        _refuse_unless_off(body, name, (0, 0.0, None))
     _refuse_unless_off(body, "logprobs", (False, None) if chat else (None,))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -162,6 +165,8 @@ def _completion(body: Mapping[str, Any], ids: list[int], *, chat: bool, tokenize
             seed=seed,
         ),
         stop=_stops(body.get("stop"), tokenizer),
+        presence_penalty=number("presence_penalty", body.get("presence_penalty") or 0, -2, 2),
+        frequency_penalty=number("frequency_penalty", body.get("frequency_penalty") or 0, -2, 2),
         n=n,
         stream=stream,
         include_usage=bool((options or {}).get("include_usage", False)),
@@ -206,6 +211,12 @@ def completion_kwargs(
     }
     if completion.stop:
         kwargs |= {"stop_strings": list(completion.stop), "tokenizer": tokenizer}
+    if completion.presence_penalty or completion.frequency_penalty:
+        penalty = OccurrencePenalty(
+            presence=completion.presence_penalty, frequency=completion.frequency_penalty,
+            prompt_length=len(completion.prompt_ids),
+        )  # fmt: skip
+        kwargs["logits_processor"] = LogitsProcessorList([penalty])
     return kwargs
 
 

@@ -14,6 +14,7 @@ settings are per-row tensors (`RowSettings`), written when a request joins its r
 | ForcedEOSTokenLogitsProcessor            | tokens, the length it forces them at            | at length -1   |
 | SuppressTokensLogitsProcessor            | a vocabulary mask                               | empty mask     |
 | SuppressTokensAtBeginLogitsProcessor     | a vocabulary mask, the length it applies at     | at length -1   |
+| cachelife's OccurrencePenalty            | presence, frequency, the prompt it skips        | both 0         |
 | TemperatureLogitsWarper                  | temperature                                     | 1              |
 | TopKLogitsWarper                         | k                                               | the vocabulary |
 | TopPLogitsWarper                         | 1 - p, rounded as transformers compares it      | flag           |
@@ -42,6 +43,7 @@ from attrs import frozen
 from transformers.generation import logits_process as lp
 
 from cachelife.generation.greedy import append
+from cachelife.generation.penalties import OccurrencePenalty, occurrence_penalised
 from cachelife.generation.rewrites import repetition_penalised
 
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
@@ -79,6 +81,9 @@ class PerRow:
     suppress: tuple[int, ...] = ()
     begin_suppress: tuple[int, ...] = ()
     begin_at: int = _OFF
+    presence: float = 0.0
+    frequency: float = 0.0
+    occurrences_from: int = 0
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
@@ -96,6 +101,7 @@ _ORDER: tuple[type[lp.LogitsProcessor], ...] = (
     lp.ForcedEOSTokenLogitsProcessor,
     lp.SuppressTokensLogitsProcessor,
     lp.SuppressTokensAtBeginLogitsProcessor,
+    OccurrencePenalty,  # where `generate` puts a custom processor: after its own, before the warpers
     lp.TemperatureLogitsWarper,
     lp.TopKLogitsWarper,
     lp.TopPLogitsWarper,
@@ -175,6 +181,9 @@ def _values(processor: lp.LogitsProcessor, eos: tuple[int, ...]) -> dict[str, ob
             return {"suppress": _ids(processor.suppress_tokens)}
         case lp.SuppressTokensAtBeginLogitsProcessor():
             return {"begin_suppress": _ids(processor.begin_suppress_tokens), "begin_at": int(processor.begin_index)}
+        case OccurrencePenalty():
+            return {"presence": processor.presence, "frequency": processor.frequency,
+                    "occurrences_from": processor.prompt_length}  # fmt: skip
         case lp.TemperatureLogitsWarper():
             return {"temperature": float(processor.temperature)}
         case lp.TopKLogitsWarper():
@@ -208,6 +217,9 @@ class RowSettings:
     suppress: torch.Tensor  # (rows, vocab) bool
     begin_suppress: torch.Tensor  # (rows, vocab) bool
     begin_at: torch.Tensor  # (rows, 1) long
+    presence: torch.Tensor  # (rows, 1) float32
+    frequency: torch.Tensor  # (rows, 1) float32
+    occurrences_from: torch.Tensor  # (rows, 1) long
     temperature: torch.Tensor  # (rows, 1) float32
     top_k: torch.Tensor  # (rows, 1) long: the vocabulary size where off
     top_p_cut: torch.Tensor  # (rows, 1) float32: 1 - top_p, rounded as transformers' comparison rounds it
@@ -246,6 +258,9 @@ class RowSettings:
             suppress=mask(),
             begin_suppress=mask(),
             begin_at=column(long),
+            presence=column(real),
+            frequency=column(real),
+            occurrences_from=column(long),
             temperature=column(real),
             top_k=column(long),
             top_p_cut=column(real),
@@ -284,6 +299,9 @@ class RowSettings:
         _mask(self.suppress[row], values.suppress)
         _mask(self.begin_suppress[row], values.begin_suppress)
         self.begin_at[row] = values.begin_at
+        self.presence[row] = values.presence
+        self.frequency[row] = values.frequency
+        self.occurrences_from[row] = values.occurrences_from
         self.temperature[row] = values.temperature
         self.top_k[row] = vocab if values.top_k is None else min(values.top_k, vocab)
         # transformers compares float32 probabilities with the Python float 1 - top_p: float32 of that double.
@@ -321,6 +339,10 @@ def process(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, s
     scores = torch.where(length == s.forced_eos_at, torch.where(s.forced_eos, 0.0, inf), scores)
     scores = torch.where(s.suppress, inf, scores)
     scores = torch.where(s.begin_suppress & (length == s.begin_at), inf, scores)
+    penalised = occurrence_penalised(
+        tokens, length, scores, presence=s.presence, frequency=s.frequency, skip=s.occurrences_from
+    )
+    scores = torch.where((s.presence != 0.0) | (s.frequency != 0.0), penalised, scores)
     if sampling:
         scores = _warped(s, scores)
     return torch.where(s.renormalize, scores.log_softmax(dim=-1), scores)
