@@ -12,7 +12,7 @@ from cachelife.serving.rows import PER_ROW, shares_batch
 from cachelife.serving.window import Occupant, place
 
 SAMPLING, GREEDY, OWN = (PER_ROW, True), (PER_ROW, False), ("own program", 3)
-EMPTY = BatchView(free=(True,) * 4, program=None, occupants=(), slot=0, width=64, steps_per_call=1)
+EMPTY = BatchView(free=(True,) * 4, program=None, occupants=(), slot=0, width=64, reserve=1)
 
 
 def waiting(*numbers: int, rows: int = 1, key: tuple[object, ...] = GREEDY, prompt: int = 5) -> list[Candidate]:
@@ -46,15 +46,15 @@ def test_each_admission_is_placed_on_the_batch_the_ones_before_it_leave() -> Non
     second = Candidate(number=1, rows=1, key=GREEDY, prompt=4, remaining=10)
     batch = evolve(EMPTY, program=GREEDY, free=(False, True, True, True), occupants=(Occupant(2, 40),), slot=8)
     one, two = plan([second, first], batch)
-    assert (one.number, one.placement) == (0, place(slot=8, width=64, steps_per_call=1, occupants=[Occupant(2, 40)],
+    assert (one.number, one.placement) == (0, place(slot=8, width=64, reserve=1, occupants=[Occupant(2, 40)],
                                                     prompt=30, remaining=12))  # fmt: skip
     shift = one.placement.shift
     occupants = [Occupant(2 + shift, 40 + shift), Occupant(one.placement.slot - 30, one.placement.slot + 12)]
-    expected = place(slot=one.placement.slot, width=64, steps_per_call=1, occupants=occupants, prompt=4, remaining=10)
+    expected = place(slot=one.placement.slot, width=64, reserve=1, occupants=occupants, prompt=4, remaining=10)
     assert (two.number, two.first, two.placement) == (1, 2, expected)
     assert shift > 0
     # Planned on the batch as it was, the second would not have fitted where it goes.
-    assert place(slot=8, width=64, steps_per_call=1, occupants=[Occupant(2, 40)], prompt=4, remaining=10) != expected
+    assert place(slot=8, width=64, reserve=1, occupants=[Occupant(2, 40)], prompt=4, remaining=10) != expected
 
 
 def test_a_request_longer_than_the_window_is_not_planned() -> None:

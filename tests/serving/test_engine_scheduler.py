@@ -235,3 +235,14 @@ def test_snapshots_take_turns_between_two_sets_of_buffers() -> None:
     assert third.length.data_ptr() == first.length.data_ptr()
     assert third.tokens is not None
     assert int(third.tokens[1, 4]) == 9
+
+
+def test_rows_that_fill_the_engine_to_its_max_length_leave_room_for_the_call_the_host_runs_late(
+    llama: zoo.ZooModel,
+) -> None:
+    """Requests of the engine's whole `max_length`, at three steps per call: the call that runs after a row's
+    last (before the host reads that it ended) still writes inside the cache (before: an index error)."""
+    with Engine(llama.model, rows=1, max_length=24, steps_per_call=3, compile_step=False) as engine:
+        for prompt in range(3, 9):
+            request = {**llama.inputs(1, prompt, prompt), "max_new_tokens": 24 - prompt, "min_new_tokens": 24 - prompt}
+            assert torch.equal(engine.submit(**request).result(timeout=60), alone(llama.model, **request))

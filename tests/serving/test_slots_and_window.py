@@ -67,10 +67,10 @@ def test_a_placement_keeps_every_row_whole_and_is_found_when_one_exists(
     batch: tuple[int, int, int, list[Occupant], int, int],
 ) -> None:
     width, spc, slot, occupants, prompt, remaining = batch
-    placement = place(slot=slot, width=width, steps_per_call=spc, occupants=occupants, prompt=prompt,
+    placement = place(slot=slot, width=width, reserve=spc, occupants=occupants, prompt=prompt,
                       remaining=remaining)  # fmt: skip
     if not occupants:
-        fits = fits_at_all(width=width, steps_per_call=spc, prompt=prompt, remaining=remaining)
+        fits = fits_at_all(width=width, reserve=spc, prompt=prompt, remaining=remaining)
         assert (placement is not None) == fits
         if placement is not None:
             assert (placement.slot, placement.shift) == (prompt, 0)

@@ -37,7 +37,7 @@ class BatchView:
     occupants: tuple[Occupant, ...]
     slot: int  # the rows' shared write slot
     width: int
-    steps_per_call: int
+    reserve: int  # slots kept free past a row's last feed (`window`)
 
 
 @frozen(kw_only=True)
@@ -66,7 +66,7 @@ def _admit(candidate: Candidate, batch: BatchView) -> Admission | None:
     if batch.occupants and batch.program is not None and not shares_batch(candidate.key, batch.program):
         return None
     placement = place(
-        slot=batch.slot, width=batch.width, steps_per_call=batch.steps_per_call, occupants=batch.occupants,
+        slot=batch.slot, width=batch.width, reserve=batch.reserve, occupants=batch.occupants,
         prompt=candidate.prompt, remaining=candidate.remaining,
     )  # fmt: skip
     return None if placement is None else Admission(number=candidate.number, first=first, placement=placement)

@@ -76,7 +76,9 @@ class Batch:
                  encoder_length: int | None) -> None:  # fmt: skip
         self.model, self.settings, self.max_length = model, settings, max_length
         self.names = step_names(model)
-        self.width = max_length + settings.steps_per_call
+        # Past a row's last feed: its last call's slots, and one more call before the host reads that it ended.
+        self.reserve = 2 * settings.steps_per_call
+        self.width = max_length + self.reserve
         check_positions(model, max_length)
         refuse_sliding_windows(model, self.width)
         self.encoder_length = encoder_length_of(model, encoder_length)
@@ -119,7 +121,7 @@ class Batch:
             free=tuple(isinstance(slot.state, Free) for slot in self.slots),
             program=None if self.program is None else self.program.key,
             occupants=tuple(Occupant(seat.start, seat.end) for seat in self.seats.values()),
-            slot=self.slot, width=self.width, steps_per_call=self.settings.steps_per_call,
+            slot=self.slot, width=self.width, reserve=self.reserve,
         )  # fmt: skip
 
     def join(self, joining: Joining, first: int, placement: Placement) -> None:

@@ -36,7 +36,7 @@ def prepared_joining(
     )  # fmt: skip
     max_length = int_field(config, "max_length")
     prompt = int(input_ids.shape[1])
-    if not fits_at_all(width=batch.width, steps_per_call=batch.settings.steps_per_call, prompt=prompt,
+    if not fits_at_all(width=batch.width, reserve=batch.reserve, prompt=prompt,
                        remaining=max_length - prompt - 1):  # fmt: skip
         msg = (
             f"the request's max_length is {max_length} (prompt {prompt} + new tokens); the engine's "

@@ -3,9 +3,11 @@
 Every row of the batch writes its next key and value at the same cache slot (transformers' static layers
 count one position for the whole batch), so rows are aligned at their ends: a row that joins when the write
 slot is `g` puts its prompt of `L` tokens at slots `g - L .. g - 1` and masks everything before. A row that
-still has `r` tokens to feed writes up to slot `g + r - 1`, and a call of the step writes `steps_per_call`
-slots however many of them a row uses. When the newcomer does not fit where the rows are, all rows are moved
-together (the cache rolled along its positions by `shift`), which keeps every row's content and distances.
+still has `r` tokens to feed writes up to slot `g + r - 1`, and past that the batch keeps `reserve` slots
+free: a call of the step writes `steps_per_call` slots however many of them a row uses, and one more call
+runs before the host reads that the row ended (`snapshots`), so the batch's reserve is two calls' slots.
+When the newcomer does not fit where the rows are, all rows are moved together (the cache rolled along its
+positions by `shift`), which keeps every row's content and distances.
 """
 
 from __future__ import annotations
@@ -31,22 +33,22 @@ class Placement:
     shift: int
 
 
-def fits_at_all(*, width: int, steps_per_call: int, prompt: int, remaining: int) -> bool:
-    """Whether a request fits in an empty batch: its prompt and every token it may feed, plus one call."""
-    return prompt + remaining + steps_per_call <= width
+def fits_at_all(*, width: int, reserve: int, prompt: int, remaining: int) -> bool:
+    """Whether a request fits in an empty batch: its prompt and every token it may feed, plus the reserve."""
+    return prompt + remaining + reserve <= width
 
 
 def place(
-    *, slot: int, width: int, steps_per_call: int, occupants: Sequence[Occupant], prompt: int, remaining: int
+    *, slot: int, width: int, reserve: int, occupants: Sequence[Occupant], prompt: int, remaining: int
 ) -> Placement | None:
     """A write slot for a newcomer with `prompt` tokens and `remaining` tokens to feed, given the current write
     slot and the rows in use, or None while it does not fit (a row must leave first)."""
-    if not fits_at_all(width=width, steps_per_call=steps_per_call, prompt=prompt, remaining=remaining):
+    if not fits_at_all(width=width, reserve=reserve, prompt=prompt, remaining=remaining):
         return None
     if not occupants:  # nothing to keep: the write slot moves, no content does
         return Placement(prompt, 0)
     low = max(prompt, slot - min(occupant.start for occupant in occupants))
-    high = min(width - steps_per_call - remaining, slot + width - steps_per_call - max(o.end for o in occupants))
+    high = min(width - reserve - remaining, slot + width - reserve - max(o.end for o in occupants))
     if low > high:
         return None
     chosen = slot if low <= slot <= high else low
