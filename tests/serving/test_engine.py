@@ -711,3 +711,20 @@ def test_requests_of_other_temperatures_decode_at_once_in_one_program(llama: zoo
         stats = engine.stats()
     assert steps < 60
     assert stats.programs == 1  # the sampling variant alone: no row was greedy
+
+
+@pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_whisper_requests_with_timestamps_decode_beside_others_each_as_its_own_generate(compile_step: bool) -> None:
+    """Whisper's timestamp rules read each row's own length and decoder prompt (before: refused by name, as their
+    rule read one length for the whole batch)."""
+    built = build("whisper")
+    requests = [{**built.inputs(1, 0, index), "return_timestamps": index % 2 == 0, "max_new_tokens": 10}
+                for index in range(5)]  # fmt: skip
+    expected = [alone(built.model, **request) for request in requests]
+    with Engine(built.model, rows=2, max_length=32, compile_step=compile_step) as engine:
+        got = [future.result(timeout=300) for future in [engine.submit(**request) for request in requests]]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert torch.equal(mine, theirs)
+    stamped = [tokens for request, tokens in zip(requests, got, strict=True) if request["return_timestamps"]]
+    begin = int(vars(built.model.generation_config)["no_timestamps_token_id"]) + 1  # a field Whisper adds
+    assert all(bool((tokens >= begin).any()) for tokens in stamped)  # timestamps were decoded

@@ -194,26 +194,28 @@ class WhisperTimestamps:
     no_timestamps: int
     timestamp_begin: int
     eos: int  # the first id of the ones that stay allowed after a lone timestamp
-    begin_index: torch.Tensor  # 0-dim: the decoder prompt's length, which changes from segment to segment
+    begin_index: torch.Tensor  # 0-dim (or per row): the decoder prompt's length, which changes by segment
     max_initial: int | None  # the last allowed first timestamp, as an offset from timestamp_begin
     from_logprob: bool
 
     def __call__(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """`length` and `begin_index` 0-dim (one for every row) or (rows, 1) (each row's own: an engine's)."""
         begin, width = self.timestamp_begin, tokens.shape[1]
         ids = torch.arange(scores.shape[-1], device=scores.device)
         is_timestamp = ids >= begin
         scores = scores.masked_fill(ids == self.no_timestamps, -math.inf)
-        count = length - self.begin_index  # tokens generated so far
-        last = tokens.index_select(1, (length - 1).clamp(0, width - 1).view(1)).squeeze(1)
-        before_last = tokens.index_select(1, (length - 2).clamp(0, width - 1).view(1)).squeeze(1)
+        lengths = length.reshape(-1, 1).expand(tokens.shape[0], 1)
+        count = (lengths - self.begin_index).squeeze(1)  # tokens generated so far
+        last = tokens.gather(1, (lengths - 1).clamp(0, width - 1)).squeeze(1)
+        before_last = tokens.gather(1, (lengths - 2).clamp(0, width - 1)).squeeze(1)
         last_was = (count >= 1) & (last >= begin)
         before_last_was = (count < 2) | (before_last >= begin)
         pair_done, pair_open = last_was & before_last_was, last_was & ~before_last_was
         scores = scores.masked_fill(pair_done[:, None] & is_timestamp, -math.inf)
         scores = scores.masked_fill(pair_open[:, None] & (ids < self.eos), -math.inf)
         # The generated timestamps, and the last of them by position.
-        positions = torch.arange(width, device=tokens.device)
-        generated = (positions >= self.begin_index) & (positions < length)
+        positions = torch.arange(width, device=tokens.device)[None, :]
+        generated = (positions >= self.begin_index) & (positions < lengths)
         stamps = generated & (tokens >= begin)
         latest = torch.where(stamps, positions, -1).amax(dim=1)
         latest_token = tokens.gather(1, latest.clamp(min=0)[:, None]).squeeze(1)
@@ -223,7 +225,7 @@ class WhisperTimestamps:
         initial = ids < begin
         if self.max_initial is not None:
             initial = initial | (ids > begin + self.max_initial)
-        scores = scores.masked_fill((length == self.begin_index) & initial, -math.inf)
+        scores = scores.masked_fill((lengths == self.begin_index) & initial, -math.inf)
         if not self.from_logprob:
             return scores
         logprobs = torch.nn.functional.log_softmax(scores.float(), dim=-1)

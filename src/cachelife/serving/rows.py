@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.penalties import Occurrences
 from cachelife.generation.processors import Called, TensorProcessor
-from cachelife.generation.rewrites import ForceAt, NoEosBefore, RepetitionPenalty, SuppressAtBegin
+from cachelife.generation.rewrites import ForceAt, NoEosBefore, RepetitionPenalty, SuppressAtBegin, WhisperTimestamps
 from cachelife.serving.row_settings import RowSettings, pick, process
 
 # The rewritten processors' fields that hold a position of one request, held per row in a program.
@@ -39,12 +39,13 @@ ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
     NoEosBefore: ("minimum", "skip"),
     ForceAt: ("at",),
     Occurrences: ("skip",),
+    WhisperTimestamps: ("begin_index",),
 }
 # The key of the per-row pipeline's programs (with whether it runs the sampling stages).
 PER_ROW: Final = "per-row"
 # Processors the engine's per-row step runs: those that read only the scores, and the rewrites whose
 # arithmetic holds with one length per row.
-_ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty, Occurrences)
+_ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty, Occurrences, WhisperTimestamps)
 
 
 @frozen
