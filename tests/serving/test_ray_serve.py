@@ -37,12 +37,15 @@ from cachelife.errors import (
     UnsupportedGenerationError,
 )
 from cachelife.generation.penalties import OccurrencePenalty
-from cachelife.serving.openai_api import (
-    Sampling,
-    error_answer,
+from cachelife.serving.openai_api import Sampling, error_answer
+from cachelife.serving.openai_audio import (
+    Segment,
     form_fields,
+    language_of,
     parse_transcription,
     read_wav,
+    segments_of,
+    text_of,
     transcription_body,
 )
 from cachelife.tools import zoo
@@ -120,7 +123,7 @@ def test_a_wav_file_is_read_as_samples_in_minus_one_to_one() -> None:
         (wav(tone(0.1), rate=8000), "must be 16-bit mono WAV at 16000 Hz, got 16-bit, 1 channels at 8000 Hz"),
         (wav(tone(0.1), channels=2), "got 16-bit, 2 channels at 16000 Hz"),
         (wav(tone(0.1), width=1), "got 8-bit, 1 channels"),
-        (b"ID3 an mp3 file", "file must be a 16-bit PCM WAV file; reading it failed"),
+        (b"ID3 an mp3 file", "file must be a 16-bit PCM WAV file (the one format read); reading it failed"),
     ],
 )
 def test_a_wav_file_of_another_kind_is_refused_with_how_to_convert_it(data: bytes, message: str) -> None:
@@ -145,8 +148,12 @@ def test_a_transcription_form_is_read_with_openais_defaults() -> None:
     ("fields", "message"),
     [
         ({"file": "audio.wav"}, "file must be an uploaded WAV file (curl -F file=@audio.wav), got 'audio.wav'"),
-        ({"file": wav(tone(1.5))}, "file must hold 1 to 16000 samples (1 s), got 24000"),
-        ({"file": wav(tone(0.5)), "response_format": "srt"}, "response_format must be one of json, text, got 'srt'"),
+        ({"file": wav(np.zeros(0, np.float32))}, "file must hold 1 to 28800000 samples (1800 s), got 0"),
+        (
+            {"file": wav(tone(0.5)), "response_format": "ass"},
+            "response_format must be one of json, text, verbose_json, srt, vtt, got 'ass'",
+        ),
+        ({"file": wav(tone(0.5)), "timestamp_granularities[]": "word"}, "must be segment (word timestamps are not"),
         ({"file": wav(tone(0.5)), "temperature": "warm"}, "temperature must be a number in [0, 1], got 'warm'"),
         ({"file": wav(tone(0.5)), "prompt": "hi"}, "unsupported fields ['prompt']"),
         ({"file": wav(tone(0.5)), "language": "english"}, "language must be one of en, de, got 'english'"),
@@ -159,9 +166,34 @@ def test_a_bad_transcription_request_says_what_was_expected(fields: dict[str, st
     assert message in str(raised.value)
 
 
-def test_a_transcription_answer_is_json_or_the_text_alone() -> None:
-    assert transcription_body("t5 t6", "json") == {"text": "t5 t6"}
-    assert transcription_body("t5 t6", "text") == "t5 t6"
+def test_a_transcription_answer_is_shaped_as_its_format_asks() -> None:
+    extractor = zoo.whisper_tiny_processor().feature_extractor
+    segments = [Segment(0.0, 1.5, (270, 5, 6, 280), "t5 t6"), Segment(61.25, 3725.007, (7,), "t7")]
+
+    def body(response_format: str) -> Any:
+        request = parse_transcription({"file": wav(tone(0.5)), "response_format": response_format},
+                                      model_name="m", feature_extractor=extractor, languages=())  # fmt: skip
+        return transcription_body(request, text="t5 t6 t7", segments=segments, language="en", task="transcribe")
+
+    assert body("json") == {"text": "t5 t6 t7"}
+    assert body("text") == "t5 t6 t7"
+    assert body("verbose_json") == {
+        "task": "transcribe", "language": "en", "duration": 0.5, "text": "t5 t6 t7",
+        "segments": [
+            {"id": 0, "seek": 0, "start": 0.0, "end": 1.5, "text": "t5 t6", "tokens": [270, 5, 6, 280],
+             "temperature": 0.0},
+            {"id": 1, "seek": 0, "start": 61.25, "end": 3725.007, "text": "t7", "tokens": [7], "temperature": 0.0},
+        ],
+    }  # fmt: skip
+    assert body("srt") == "1\n00:00:00,000 --> 00:00:01,500\nt5 t6\n\n2\n00:01:01,250 --> 01:02:05,007\nt7\n"
+    assert body("vtt") == "WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nt5 t6\n\n00:01:01.250 --> 01:02:05.007\nt7\n"
+
+
+def test_whisper_text_leaves_special_tokens_and_timestamps_out() -> None:
+    tokenizer = zoo.whisper_tiny_processor().tokenizer
+    assert text_of([1, 252, 270, 5, 6, 280, 2], tokenizer, timestamp_begin=263) == "t5 t6"
+    assert language_of(torch.tensor([1, 251, 261]), {"<|en|>": 250, "<|de|>": 251}) == "de"
+    assert language_of([1, 261], {"<|en|>": 250}) is None
 
 
 @pytest.mark.parametrize(
@@ -540,3 +572,47 @@ def test_penalties_through_the_client_are_the_requests_generate_with_an_occurren
     expected = reference_tokens(ids, 12, do_sample=False, logits_processor=LogitsProcessorList([penalty]))
     assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
     assert expected != reference_tokens(ids, 12, do_sample=False)  # the penalties change this completion
+
+
+def long_form_reference(audio: np.ndarray[Any, Any]) -> tuple[str, list[Segment]]:
+    """The text and segments of the served Whisper's own `cachelife.generate` on audio longer than its window."""
+    model, processor = whisper()
+    extracted = processor.feature_extractor(audio, sampling_rate=RATE, return_tensors="pt", truncation=False,
+                                            padding="longest", return_attention_mask=True)  # fmt: skip
+    output = cachelife.generate(
+        model, input_features=extracted["input_features"], attention_mask=extracted["attention_mask"],
+        language="en", do_sample=False, compile_step=False, return_timestamps=True, return_segments=True,
+    )  # fmt: skip
+    assert isinstance(output, dict)
+    begin = int(vars(model.generation_config)["no_timestamps_token_id"]) + 1
+    text = text_of(output["sequences"][0].tolist(), processor.tokenizer, begin)
+    return text, segments_of(output, processor.tokenizer, begin)
+
+
+@pytest.mark.slow
+def test_long_audio_in_every_format_is_whispers_long_form_with_its_segments(client: Callable[[str], Any]) -> None:
+    audio = np.concatenate([tone(1.0), np.zeros(RATE // 2, np.float32), tone(1.0) * 0.3])  # 2.5 windows
+    text, segments = long_form_reference(audio)
+    assert len(segments) > 1
+    transcriptions = client("whisper").audio.transcriptions
+    verbose = transcriptions.create(
+        model="whisper", file=("talk.wav", wav(audio)), language="en", response_format="verbose_json",
+        timestamp_granularities=["segment"],
+    )  # fmt: skip
+    assert (verbose.text, verbose.language, verbose.duration) == (text, "en", 2.5)
+    assert [(s.start, s.end, s.text) for s in verbose.segments] == [(s.start, s.end, s.text) for s in segments]
+    plain = transcriptions.create(model="whisper", file=("talk.wav", wav(audio)), language="en")
+    assert plain.text == text
+    subtitles = transcriptions.create(model="whisper", file=("talk.wav", wav(audio)), language="en",
+                                      response_format="srt")  # fmt: skip
+    assert subtitles.splitlines()[:3] == ["1", f"{clock(segments[0].start, ',')} --> {clock(segments[0].end, ',')}",
+                                          segments[0].text]  # fmt: skip
+    webvtt = transcriptions.create(model="whisper", file=("talk.wav", wav(audio)), language="en",
+                                   response_format="vtt")  # fmt: skip
+    assert webvtt.startswith("WEBVTT\n\n")
+    assert webvtt.count(" --> ") == len(segments)
+
+
+def clock(seconds: float, separator: str) -> str:
+    whole, milliseconds = divmod(round(seconds * 1000), 1000)
+    return f"{whole // 3600:02d}:{whole // 60 % 60:02d}:{whole % 60:02d}{separator}{milliseconds:03d}"

@@ -28,16 +28,21 @@ from cachelife.serving.engine import Engine
 from cachelife.serving.openai_api import (
     HEALTH,
     MODELS,
-    TRANSCRIPTIONS,
-    TRANSLATIONS,
-    AudioProcessor,
     Tokenizer,
     error_answer,
     error_body,
-    form_fields,
     models_body,
-    parse_transcription,
     server_sent_event,
+)
+from cachelife.serving.openai_audio import (
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
+    AudioProcessor,
+    form_fields,
+    language_of,
+    parse_transcription,
+    segments_of,
+    text_of,
     transcription_body,
     transcription_kwargs,
 )
@@ -154,9 +159,18 @@ class Replica:
             fields, model_name=self._name, feature_extractor=extractor, languages=languages
         )
         kwargs = transcription_kwargs(transcription, processor, self._model)
-        tokens = await self._engine.generate(**kwargs, task=task)
-        text = processor.tokenizer.decode([int(t) for t in tokens[0]], skip_special_tokens=True)
-        body = transcription_body(text, transcription.response_format)
+        output = await self._engine.generate(**kwargs, task=task)
+        config = self._model.generation_config
+        timestamp_begin = int(getattr(config, "no_timestamps_token_id", 0) or 0) + 1
+        tokens = output["sequences"] if isinstance(output, dict) else output
+        segments = segments_of(output, processor.tokenizer, timestamp_begin) if isinstance(output, dict) else []
+        language = transcription.language
+        if language is None and isinstance(output, dict) and output["segments"][0]:
+            language = language_of(output["segments"][0][0]["result"], getattr(config, "lang_to_id", None) or {})
+        body = transcription_body(
+            transcription, text=text_of(tokens[0].tolist(), processor.tokenizer, timestamp_begin), segments=segments,
+            language=language, task="transcribe" if task == "transcribe" else "translate",
+        )  # fmt: skip
         return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
 
     def __del__(self) -> None:
