@@ -728,3 +728,26 @@ def test_whisper_requests_with_timestamps_decode_beside_others_each_as_its_own_g
     stamped = [tokens for request, tokens in zip(requests, got, strict=True) if request["return_timestamps"]]
     begin = int(vars(built.model.generation_config)["no_timestamps_token_id"]) + 1  # a field Whisper adds
     assert all(bool((tokens >= begin).any()) for tokens in stamped)  # timestamps were decoded
+
+
+def test_whispers_long_form_decodes_in_the_engine_window_after_window_as_its_own_generate() -> None:
+    """Audio longer than the window, with its mask: Whisper's own loop calls the engine for each window (its
+    timestamps decoded per row), and the segments equal `cachelife.generate`'s."""
+    built = build("whisper")
+    generator = torch.Generator().manual_seed(0)
+    requests: list[dict[str, Any]] = [
+        {"input_features": torch.randn(1, 16, frames, generator=generator),
+         "attention_mask": torch.ones(1, frames, dtype=torch.long), "return_timestamps": True, "return_segments": True}
+        for frames in (150, 200)
+    ]  # fmt: skip
+    expected = [cachelife.generate(built.model, compile_step=False, fallback=False, **r) for r in requests]
+    with Engine(built.model, rows=2, max_length=32, compile_step=False) as engine:
+        got = [future.result(timeout=300) for future in [engine.submit(**request) for request in requests]]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert isinstance(mine, dict)
+        assert isinstance(theirs, dict)
+        assert torch.equal(mine["sequences"], theirs["sequences"])
+        windows = [[(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in o["segments"][0]]
+                   for o in (mine, theirs)]  # fmt: skip
+        assert windows[0] == windows[1]
+        assert len(windows[0]) > 1
