@@ -11,6 +11,7 @@ scheduler's step calls (wall ms per step: the whole boundary, host work included
 grouped by kind as bench/profile_step.py groups them (ms per step and kernels per step), and the device's idle
 time (the window's span less the union of its kernels' intervals, per step): how much of a step the device
 waits for the host. Per rows value also the ratio of its wall ms per step to the first rows value's.
+Then the first two rows decode to their end and are judged against transformers (bench.verdict, tokens).
 Writes `<out>/engine-step-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -26,6 +27,7 @@ from torch.profiler import DeviceType, ProfilerActivity, profile
 from bench.padded import MODEL_NAMES, build_model
 from bench.profile_step import GROUPS, OTHER, group_of
 from bench.results_file import bench_parser, results_file
+from bench.verdict import judge
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
@@ -81,10 +83,19 @@ def measure(model: Any, rows: int, args: Any) -> dict[str, Any]:
                 profiled_before = engine.stats()
                 time.sleep(args.window)
                 profiled_after = engine.stats()
-        for future in futures:
+        # The rows decoded what transformers computes (bench.verdict, tokens), on the first two.
+        outputs = [future.result() for future in futures[:2]]
+        for future in futures[2:]:
             future.cancel()
+    verdicts = [
+        judge(model, {"input_ids": prompt.to(model.device)}, tokens, args.prompt)
+        for prompt, tokens in zip(prompts, outputs, strict=False)
+    ]
     measured: dict[str, Any] = {
         "rows": rows,
+        "verdict_rows": len(verdicts),
+        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in verdicts),
+        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in verdicts),
         "wall_ms_per_step": round((ended - began) * 1e3 / max(wall_steps, 1), 4),
         "steps_timed": wall_steps,
     }

@@ -53,6 +53,7 @@ import bench
 from bench.engine import milliseconds
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
+from bench.verdict import judge
 from cachelife.errors import InvalidArgumentError, QueueFullError, UnsupportedGenerationError
 from cachelife.serving.engine import Engine
 from cachelife.tools.recipe import pick_device
@@ -349,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps-per-call", type=int, default=1)
     parser.add_argument("--eager-step", action="store_true", help="the engine's step uncompiled")
     parser.add_argument("--warmup", type=int, default=4, help="good requests sent one at a time before timing")
+    parser.add_argument("--verdicts", type=int, default=4, help="good requests judged against transformers")
     args = parser.parse_args(argv)
     device, dtype = pick_device(args.device), getattr(torch, args.dtype)
     runs: list[tuple[str, float]] = [("concurrency", int(n)) for n in args.concurrency.split(",") if n]
@@ -377,8 +379,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcomes, wall = run_load(send, timed, clients=clients)
             limit = {"max_concurrency": args.max_concurrency} if mode == "rate" else {}  # None: no limit
             out.add({"mode": mode, mode: value, **limit, **summary(outcomes, wall)})
+    if args.target == "engine" and args.verdicts:
+        out.put("verdict", verdict(args.model, device, dtype, options, requests=requests, count=args.verdicts))
     out.finish()
     return 0
+
+
+def verdict(model_name: str, device: torch.device, dtype: torch.dtype, options: dict[str, Any], *,
+            requests: Sequence[Planned], count: int) -> dict[str, Any]:  # fmt: skip
+    """The verdict against transformers (bench.verdict, tokens) on the first `count` good requests, decoded
+    by an engine of the timed one's options."""
+    model, _ = served_model(model_name, device, dtype)
+    good = [request for request in requests if request.bad is None][:count]
+    prompts = [torch.tensor([request.prompt], device=device) for request in good]
+    with Engine(model, **options) as engine:
+        pairs = zip(prompts, good, strict=True)
+        futures = [engine.submit(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=request.new_tokens) for ids, request in pairs]  # fmt: skip
+        outputs = [future.result() for future in futures]
+    judged = [judge(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tokens, int(ids.shape[1]))
+              for ids, tokens in zip(prompts, outputs, strict=True)]  # fmt: skip
+    return {
+        "requests": len(judged),
+        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in judged),
+        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in judged),
+    }
 
 
 if __name__ == "__main__":

@@ -36,3 +36,4 @@ def test_a_cpu_run_writes_each_rows_wall_time(tmp_path: Path, monkeypatch: pytes
     assert [result["rows"] for result in results] == [1, 2]
     assert all(result["steps_timed"] > 0 and result["wall_ms_per_step"] > 0 for result in results)
     assert results[0]["wall_ratio_to_first"] == 1.0
+    assert all(result["tokens_agree_with_transformers"] for result in results)  # float32: tokens equal

@@ -149,6 +149,7 @@ def test_the_command_line_writes_one_result_per_run(tmp_path: Path) -> None:
     (written,) = tmp_path.glob("serving-load-tiny-engine-cpu-*.json")
     record = json.loads(written.read_text())
     assert {"date", "device", "torch", "transformers", "commit"} <= record.keys()
+    assert record["verdict"]["tokens_agree_with_transformers"]  # float32: the engine's tokens are transformers
     assert [(run["mode"], run.get("concurrency", run.get("rate"))) for run in record["results"]] == [
         ("concurrency", 2), ("rate", 200.0),
     ]  # fmt: skip
