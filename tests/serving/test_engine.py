@@ -497,7 +497,7 @@ def test_engine_sizes_past_the_models_positions_or_the_devices_memory_are_refuse
     with pytest.raises(InvalidArgumentError, match="max_length=257 is past LlamaForCausalLM's 256 positions"):
         Engine(zoo.build("llama").model, max_length=257, compile_step=False)
     t5 = zoo.build("t5").model  # relative positions: no bound but the memory
-    with pytest.raises(InvalidArgumentError, match=r"rows=8 and 1000000001 positions would take .* GiB free"):
+    with pytest.raises(InvalidArgumentError, match=r"rows=8 and 100000000\d positions would take .* GiB free"):
         Engine(t5, max_length=10**9, encoder_length=16, compile_step=False)
 
 
