@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
 import cachelife
 from cachelife.tools import zoo
+from cachelife.tools.recording import RecordingStreamer
 
 pytestmark = pytest.mark.gpu
 
@@ -99,23 +99,11 @@ def test_beam_sampling_reproduces_itself_and_equals_generate_when_nearly_determi
     assert torch.equal(drawn(1, 2, **nearly), zoo.generate_tokens(built.model, inputs, **settings, **nearly))
 
 
-class Recording(BaseStreamer):
-    def __init__(self) -> None:
-        self.puts: list[list[int]] = []
-        self.ends = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts.append(value.flatten().tolist())
-
-    def end(self) -> None:
-        self.ends += 1
-
-
 @pytest.mark.parametrize("check_every", [1, 8])
 def test_a_streamer_gets_generate_s_tokens(check_every: int) -> None:
     built = built_without_end("llama-small")
     inputs = built.inputs(1, 9, 1)
-    theirs, ours = Recording(), Recording()
+    theirs, ours = RecordingStreamer(), RecordingStreamer()
     built.model.generate(**inputs, max_new_tokens=NEW, streamer=theirs)
     cachelife.generate(
         built.model, fallback=False, stop_check_every=check_every, **inputs, max_new_tokens=NEW, streamer=ours

@@ -8,26 +8,12 @@ from typing import Any
 import pytest
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.tools import zoo
+from cachelife.tools.recording import RecordingStreamer
 
 NEW = 20
-
-
-class Recording(BaseStreamer):
-    """Keeps every `put` and counts `end` calls."""
-
-    def __init__(self) -> None:
-        self.puts: list[list[int]] = []
-        self.ends = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts.append(value.flatten().tolist())
-
-    def end(self) -> None:
-        self.ends += 1
 
 
 class StopAfterToken(StoppingCriteria):
@@ -66,7 +52,7 @@ def test_a_streamer_receives_what_generate_gives_it(name: str, every: int, steps
     inputs = built.inputs(1, 9, 1)
     free = zoo.generate_tokens(built.model, inputs, max_new_tokens=NEW)
     built.model.generation_config.eos_token_id = int(free[0, -6])  # the sequence ends before the budget
-    theirs, ours = Recording(), Recording()
+    theirs, ours = RecordingStreamer(), RecordingStreamer()
     expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=NEW, streamer=theirs)
     got = fast(built, inputs, max_new_tokens=NEW, streamer=ours, stop_check_every=every, steps_per_call=steps)
     assert torch.equal(got, expected)
@@ -75,23 +61,10 @@ def test_a_streamer_receives_what_generate_gives_it(name: str, every: int, steps
     assert (ours.ends, theirs.ends) == (1, 1)
 
 
-class Keeping(BaseStreamer):
-    """Keeps the tensors it is given as they are (transformers gives a new tensor each time)."""
-
-    def __init__(self) -> None:
-        self.values: list[torch.Tensor] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.values.append(value)
-
-    def end(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("every", [1, 4])
 def test_what_a_streamer_was_given_stays_after_the_next_call(every: int) -> None:
     built = build("llama", eos=False)
-    kept = Keeping()
+    kept = RecordingStreamer()
     first = fast(built, built.inputs(1, 9, 1), max_new_tokens=NEW, streamer=kept, stop_check_every=every)
     fast(built, built.inputs(1, 9, 2), max_new_tokens=NEW, stop_check_every=every)
     assert torch.equal(torch.cat([value.reshape(1, -1) for value in kept.values], dim=1), first)
@@ -131,7 +104,7 @@ def test_the_first_token_is_streamed_right_after_the_prefill(every: int) -> None
     forwards: list[int] = []
     built.model.register_forward_hook(lambda module, args, output: forwards.append(1))
 
-    class Counting(Recording):
+    class Counting(RecordingStreamer):
         def __init__(self) -> None:
             super().__init__()
             self.forwards_at_put: list[int] = []

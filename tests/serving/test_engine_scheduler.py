@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.errors import EngineClosedError, UnsupportedGenerationError
@@ -23,6 +22,7 @@ from cachelife.serving.engine import Engine
 from cachelife.serving.rows import Rows
 from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.tools import zoo
+from cachelife.tools.recording import RecordingStreamer
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +142,6 @@ class StopAfter(StoppingCriteria):
         return (input_ids[:, self.prompt :] == self.token).any(dim=1)
 
 
-class Collecting(BaseStreamer):
-    def __init__(self) -> None:
-        self.values: list[torch.Tensor] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.values.append(value)
-
-    def end(self) -> None:
-        pass
-
-
 def test_stop_strings_and_host_criteria_stop_each_request_where_its_own_generate_stops(llama: zoo.ZooModel) -> None:
     model = llama.model
     tokenizer = zoo.letters_tokenizer(int(model.config.vocab_size))
@@ -168,7 +157,7 @@ def test_stop_strings_and_host_criteria_stop_each_request_where_its_own_generate
         requests.append({**inputs, "max_new_tokens": 12, **stops})
     requests.append({**llama.inputs(1, 6, 9), "max_new_tokens": 12})  # no stop: decodes beside the others
     expected = [alone(model, **request) for request in requests]
-    streamers = [Collecting() for _ in requests]
+    streamers = [RecordingStreamer() for _ in requests]
     with Engine(model, rows=3, max_length=64, compile_step=False, steps_per_call=3) as engine:
         futures = [
             engine.submit(**request, streamer=streamer) for request, streamer in zip(requests, streamers, strict=True)
@@ -207,7 +196,7 @@ def test_the_host_reads_each_call_s_rows_after_it_launched_the_next(
 
         monkeypatch.setattr(Snapshot, "wait", recorded)
         requests = [{**llama.inputs(1, 4 + index, index), "max_new_tokens": 5 + 3 * index} for index in range(3)]
-        streamers = [Collecting() for _ in requests]
+        streamers = [RecordingStreamer() for _ in requests]
         pairs = zip(requests, streamers, strict=True)
         got = [future.result(timeout=60) for future in [engine.submit(**r, streamer=s) for r, s in pairs]]
     assert reads

@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
+from cachelife.tools.recording import RecordingStreamer
 
 END = 13  # within 12 new tokens of about a quarter of the tiny Llama's prompts: some rows end early
 
@@ -25,19 +25,6 @@ SETTINGS: tuple[dict[str, Any], ...] = (
     {"forced_eos_token_id": END, "repetition_penalty": 1.2},
     {"begin_suppress_tokens": [221, 274], "do_sample": True, "top_k": 20, "temperature": 0.9},
 )
-
-
-class Keeping(BaseStreamer):
-    """Keeps the tensors it is given as they are: they must stay the request's tokens."""
-
-    def __init__(self) -> None:
-        self.values: list[torch.Tensor] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.values.append(value)
-
-    def end(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +61,7 @@ def test_any_schedule_gives_each_request_its_own_tokens(
     def seeded(index: int) -> torch.Generator | None:
         return torch.Generator().manual_seed(index) if requests[index].get("do_sample") else None
 
-    streamers = [Keeping() if one["streamed"] else None for one in drawn]
+    streamers = [RecordingStreamer() if one["streamed"] else None for one in drawn]
     with Engine(llama.model, rows=rows, max_length=28, steps_per_call=steps_per_call, compile_step=False) as engine:
         futures = [
             engine.submit(**request, generator=seeded(index), streamer=streamers[index])
