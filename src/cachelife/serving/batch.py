@@ -37,7 +37,7 @@ from cachelife.serving.model_facts import (
 )
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.programs import Programs
-from cachelife.serving.requests import Joining, first_sequence, hand_back
+from cachelife.serving.requests import Joining, first_sequence, hand_back, stopped_at
 from cachelife.serving.row_settings import RowSettings
 from cachelife.serving.row_writes import RowWrites, layer_tensors
 from cachelife.serving.rows import (
@@ -45,7 +45,7 @@ from cachelife.serving.rows import (
     Program,
     Rows,
     build_program,
-    choose,
+    choose_first,
     engine_steps,
     per_row_program,
     row_values,
@@ -190,7 +190,7 @@ class Batch:
                 max_length=joining.max_length, logits=logits, noise=noise,
             )  # fmt: skip
         else:
-            self._first_token(first, joining, logits, program)
+            choose_first(self.rows, first, logits[0], program, generator=joining.generator)
         return start
 
     def advance(self) -> None:
@@ -242,7 +242,10 @@ class Batch:
             if seat.joined >= snapshot.taken:  # it joined after this snapshot
                 continue
             length = lengths[row]
-            stopped = self._stopped_on_host(row, seat, length) if joining.criteria else None
+            stopped = None
+            if joining.criteria:  # the stops only the host reads, over the positions since their last look
+                stopped = stopped_at(joining.criteria, self.rows.tokens[row : row + 1, :length], after=seat.checked)
+                seat.checked = length
             length = length if stopped is None else stopped
             if joining.streamer is not None and length > seat.streamed and snapshot.tokens is not None:
                 joining.streamed.append(snapshot.tokens[row, seat.streamed : length].clone())  # the buffer is reused
@@ -250,16 +253,6 @@ class Batch:
                 joining.news.set()
             if stopped is not None or not unfinished[row] or length >= joining.max_length:
                 self.end(row, tokens=self.rows.tokens[row : row + 1, :length].clone())
-
-    def _stopped_on_host(self, row: int, seat: _Seat, length: int) -> int | None:
-        """The length at which the request's host-side stopping criteria stop its row, going through the
-        positions since their last look as `generate` goes through its steps; None if they let it go on."""
-        sequence = self.rows.tokens[row : row + 1, :length].clone()
-        for position in range(seat.checked + 1, length + 1):
-            if any(bool(criterion(sequence[:, :position], None).any()) for criterion in seat.joining.criteria):
-                return position
-        seat.checked = length
-        return None
 
     def _collect_groups(self, program: BeamProgram) -> None:
         """Hand back the groups whose search ended (one host read of the running flags), and leave abandoned
@@ -383,18 +376,6 @@ class Batch:
                 masked=self.names.positions is None,  # Whisper's (position ids) has no padding to mask
             )  # fmt: skip
         return self.prefill(joining.input_ids[:1], joining.config, kwargs), encoder
-
-    def _first_token(self, row: int, joining: Joining, logits: torch.Tensor, program: Program) -> None:
-        """The prefill's token, chosen with the row's processors and its generator's first draw."""
-        rows, device = len(self.slots), logits.device
-        noise = torch.ones(rows, self.vocab, device=device)
-        if joining.generator is not None:
-            noise[row].exponential_(generator=joining.generator)
-        among = torch.zeros(rows, dtype=torch.bool, device=device)
-        among[row] = True
-        first = torch.zeros(rows, self.vocab, device=device)
-        first[row] = logits[0]
-        choose(self.rows, first, noise, program, among)
 
     def _roll(self, shift: int) -> None:
         """Move every row's content `shift` slots along the cache (all rows alike, distances kept)."""

@@ -337,8 +337,7 @@ class Engine:
         self._workers.shutdown(wait=False)
 
     def _closed_error(self, when: str) -> EngineClosedError:
-        """The error of a request the closed engine cannot serve (`when`: at what point), naming the
-        scheduler's failure if that closed it."""
+        """The error of a request the closed engine cannot serve, naming the scheduler's failure if any."""
         cause = self._failure
         if cause is None:
             return EngineClosedError(f"the engine was closed {when}")

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any
 
@@ -242,6 +243,15 @@ def _stream(joining: Joining) -> None:
         if streamer is not None:
             for token in chunk:
                 streamer.put(token.reshape(1))
+
+
+def stopped_at(criteria: Sequence[StoppingCriteria], sequence: torch.Tensor, *, after: int) -> int | None:
+    """The first length past `after` at which one of `criteria` stops `sequence` (1, n), read position by
+    position as `generate` reads them at its steps; None if none does."""
+    for position in range(after + 1, sequence.shape[1] + 1):
+        if any(bool(criterion(sequence[:, :position], None).any()) for criterion in criteria):
+            return position
+    return None
 
 
 def hand_back(joining: Joining, *, tokens: torch.Tensor | None = None, error: BaseException | None = None) -> None:

@@ -257,3 +257,19 @@ def _value(value: object) -> object:
     if isinstance(value, dict):
         return tuple(sorted((str(k), _value(v)) for k, v in value.items()))
     return value if isinstance(value, int | float | str | bool | None) else repr(value)
+
+
+def choose_first(
+    rows: Rows, row: int, logits: torch.Tensor, program: Program, *, generator: torch.Generator | None
+) -> None:
+    """A newcomer's first token, from its prefill's last `logits` (vocab,), chosen with its row's processors and
+    its generator's first draw; the other rows take no part."""
+    count, vocab, device = rows.length.shape[0], logits.shape[-1], logits.device
+    noise = torch.ones(count, vocab, device=device)
+    if generator is not None:
+        noise[row].exponential_(generator=generator)
+    among = torch.zeros(count, dtype=torch.bool, device=device)
+    among[row] = True
+    first = torch.zeros(count, vocab, device=device)
+    first[row] = logits
+    choose(rows, first, noise, program, among)
