@@ -16,14 +16,17 @@ from cachelife.serving.openai_text import (
     Answer,
     Completion,
     TextDeltas,
+    TokenLogprob,
     answer_body,
     completion_kwargs,
     cut_at_stop,
     finish_reason,
+    logprobs_body,
     parse_chat,
     parse_completion,
     role_chunk,
     text_chunk,
+    token_logprobs,
     usage_chunk,
 )
 from cachelife.tools import zoo
@@ -97,7 +100,8 @@ def test_a_chat_is_its_messages_through_the_chat_template_with_the_assistants_tu
         ({"prompt": "w5", "user": 5}, "user must be a string, got 5"),
         ({"prompt": "w5", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2], got 2.5"),
         ({"prompt": "w5", "frequency_penalty": "x"}, "frequency_penalty must be a number in [-2, 2], got 'x'"),
-        ({"prompt": "w5", "logprobs": 2}, "logprobs is not supported by this server (only null), got 2"),
+        ({"prompt": "w5", "logprobs": 6}, "logprobs must be at most 5 (OpenAI's limit), got 6"),
+        ({"prompt": "w5", "logprobs": 2, "stream": True}, "logprobs with stream are not supported by this server"),
     ],
 )
 def test_a_bad_completion_request_says_what_was_expected_and_what_came(body: object, message: str) -> None:
@@ -116,8 +120,12 @@ def test_a_bad_completion_request_says_what_was_expected_and_what_came(body: obj
         ({"messages": [{"role": "robot", "content": "w5"}]}, "messages[0] must be {role: one of system"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content: text or text parts"),
         ({"messages": [{"role": "user", "content": "w5", "tool_calls": []}]}, "messages[0] must be"),
-        ({"messages": [{"role": "user", "content": "w5"}], "logprobs": True}, "logprobs is not supported"),
-        ({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, "top_logprobs is not supported"),
+        ({"messages": [{"role": "user", "content": "w5"}], "logprobs": 1}, "logprobs must be true or false"),
+        ({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, "top_logprobs needs logprobs true"),
+        (
+            {"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs must be a number in [0, 20], got 21",
+        ),
         ({"messages": [{"role": "user", "content": "w5"}], "tools": []}, "unsupported fields ['tools']"),
         ({"messages": [{"role": "user", "content": "w5"}], "prompt": "w5"}, "unsupported fields ['prompt']"),
     ],
@@ -254,3 +262,48 @@ def test_text_deltas_hold_an_unfinished_character_back() -> None:
     deltas = TextDeltas(_Bytes())
     pieces = [deltas.add(byte) for byte in "aé!".encode()]
     assert pieces == ["a", "", "é", "!"]
+
+
+def test_logprobs_are_read_as_the_alternatives_asked_for() -> None:
+    assert completion({"prompt": "w5"}).logprobs is None
+    assert completion({"prompt": "w5", "logprobs": 0}).logprobs == 0
+    assert completion({"prompt": "w5", "logprobs": 3}).logprobs == 3
+    message = [{"role": "user", "content": "w5"}]
+    assert chat({"messages": message, "logprobs": False}).logprobs is None
+    assert chat({"messages": message, "logprobs": True}).logprobs == 0
+    assert chat({"messages": message, "logprobs": True, "top_logprobs": 4}).logprobs == 4
+
+
+def test_token_logprobs_are_the_models_own_as_transformers_generate_gives_them() -> None:
+    model = zoo.build("llama").model
+    ids = torch.tensor([[1, 10, 20, 30]])
+    out: Any = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    generated = out.sequences[0, 4:].tolist()
+    expected = torch.stack([logits[0] for logits in out.logits]).float().log_softmax(dim=-1)
+    entries = token_logprobs(model, [1, 10, 20, 30], generated, top=3)
+    assert [entry.token for entry in entries] == generated
+    for step, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(float(expected[step, entry.token]), abs=1e-5)
+        values, indices = expected[step].topk(3)
+        assert [token for token, _ in entry.top] == indices.tolist()
+        assert [value for _, value in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
+        assert entry.top[0][0] == entry.token  # greedy, no processor: the chosen token is the likeliest
+    assert token_logprobs(model, [1, 10], [], top=2) == []
+    assert all(entry.top == () for entry in token_logprobs(model, [1, 10], generated[:2], top=0))
+
+
+def test_logprobs_are_shaped_as_openai_shapes_them() -> None:
+    entries = [TokenLogprob(20, -0.5, ((20, -0.5), (21, -1.5))), TokenLogprob(2, -0.25, ((2, -0.25), (30, -2.0)))]
+    chat_shape = logprobs_body(entries, TOKENIZER, chat=True)
+    assert chat_shape["content"][0] == {
+        "token": "w20", "logprob": -0.5, "bytes": list(b"w20"),
+        "top_logprobs": [{"token": "w20", "logprob": -0.5, "bytes": list(b"w20")},
+                         {"token": "w21", "logprob": -1.5, "bytes": list(b"w21")}],
+    }  # fmt: skip
+    assert chat_shape["content"][1]["token"] == "</s>"  # the end token, as the tokenizer writes it
+    plain = logprobs_body(entries, TOKENIZER, chat=False)
+    assert plain == {
+        "tokens": ["w20", "</s>"], "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"w20": -0.5, "w21": -1.5}, {"</s>": -0.25, "w30": -2.0}], "text_offset": [0, 3],
+    }  # fmt: skip

@@ -48,6 +48,7 @@ from cachelife.serving.openai_audio import (
     text_of,
     transcription_body,
 )
+from cachelife.serving.openai_text import token_logprobs
 from cachelife.tools import zoo
 
 # One local Ray instance (a module fixture) for every test here: one pytest-xdist worker runs them all.
@@ -531,8 +532,8 @@ def test_what_the_server_does_not_decode_is_a_400_naming_the_field_through_the_c
 ) -> None:
     openai = pytest.importorskip("openai")
     llama_client = client("llama")
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported by this server"):
-        llama_client.completions.create(model="llama", prompt="w10", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs with stream are not supported by this server"):
+        llama_client.completions.create(model="llama", prompt="w10", max_tokens=2, logprobs=2, stream=True)
     with pytest.raises(openai.BadRequestError, match=r"unsupported fields \['logit_bias'\]"):
         llama_client.chat.completions.create(model="llama", messages=CHAT, logit_bias={"5": 1})
     with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be a number in \[-2, 2\]"):
@@ -616,3 +617,24 @@ def test_long_audio_in_every_format_is_whispers_long_form_with_its_segments(clie
 def clock(seconds: float, separator: str) -> str:
     whole, milliseconds = divmod(round(seconds * 1000), 1000)
     return f"{whole // 3600:02d}:{whole // 60 % 60:02d}:{whole % 60:02d}{separator}{milliseconds:03d}"
+
+
+@pytest.mark.slow
+def test_logprobs_through_the_client_are_the_models_own_for_each_new_token(client: Callable[[str], Any]) -> None:
+    tokenizer = zoo.words_tokenizer()
+    ids = tokenizer.encode("w10 w20 w30")
+    expected = reference_tokens(ids, 5, do_sample=False)
+    model, _ = llama()
+    entries = token_logprobs(model, ids, expected, top=2)
+    answer = client("llama").completions.create(model="llama", prompt="w10 w20 w30", max_tokens=5, temperature=0,
+                                                logprobs=2)  # fmt: skip
+    given = answer.choices[0].logprobs
+    assert given.tokens == [tokenizer.decode([token]) for token in expected]
+    assert given.token_logprobs == pytest.approx([entry.logprob for entry in entries], abs=1e-5)
+    assert [list(top) for top in given.top_logprobs] == [[tokenizer.decode([t]) for t, _ in e.top] for e in entries]
+    chat = client("llama").chat.completions.create(model="llama", messages=CHAT, max_completion_tokens=4,
+                                                   temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    chat_tokens = reference_tokens(chat_ids(), 4, do_sample=False)
+    assert [item.token for item in content] == [tokenizer.decode([token]) for token in chat_tokens]
+    assert all(len(item.top_logprobs) == 3 and item.top_logprobs[0].token == item.token for item in content)

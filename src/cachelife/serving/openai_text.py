@@ -28,7 +28,7 @@ from cachelife.validate import check_int, is_int_at_least
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
-# Read on both endpoints (logprobs only at its "off" values: see `_refuse_unless_off`).
+# Read on both endpoints.
 COMMON_FIELDS: Final = (
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream", "stream_options",
     "stop", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
@@ -38,6 +38,7 @@ CHAT_FIELDS: Final = (*COMMON_FIELDS, "messages", "top_logprobs")
 ROLES: Final = ("system", "developer", "user", "assistant")
 MAX_STOPS: Final = 4
 MAX_CHOICES: Final = 16
+MAX_COMPLETION_LOGPROBS: Final = 5
 
 
 @frozen(kw_only=True)
@@ -52,6 +53,7 @@ class Completion:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     n: int = 1
+    logprobs: int | None = None  # alternatives per token with its log-probability (None: no log-probabilities)
     stream: bool = False
     include_usage: bool = False
     chat: bool = False
@@ -93,7 +95,6 @@ def parse_chat(data: bytes, *, model_name: str, tokenizer: Any) -> Completion:
     tokenizer's chat template with the assistant's turn opened) and the common fields."""
     body = _body(data)
     check_fields(body, CHAT_FIELDS, model_name)
-    _refuse_unless_off(body, "top_logprobs", (None,))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         msg = f"messages must be a non-empty list of {{role, content}} objects, got {messages!r:.80}"
@@ -121,16 +122,7 @@ def _message(index: int, message: object) -> dict[str, str]:
     raise InvalidArgumentError(msg)
 
 
-def _refuse_unless_off(body: Mapping[str, object], name: str, off: Sequence[object]) -> None:
-    """Refuse a field this server does not decode unless it holds a value that turns it off."""
-    if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in off):
-        shown = " or ".join(json.dumps(value) for value in off)
-        msg = f"{name} is not supported by this server (only {shown}), got {body[name]!r:.80}"
-        raise InvalidArgumentError(msg)
-
-
 def _completion(body: Mapping[str, Any], ids: list[int], *, chat: bool, tokenizer: Any) -> Completion:
-    _refuse_unless_off(body, "logprobs", (False, None) if chat else (None,))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         msg = f"user must be a string, got {user!r:.80}"
@@ -152,6 +144,7 @@ def _completion(body: Mapping[str, Any], ids: list[int], *, chat: bool, tokenize
                                 or not isinstance(options.get("include_usage", False), bool)):  # fmt: skip
         msg = f"stream_options must be {{include_usage: true or false}} on a streamed request, got {options!r:.80}"
         raise InvalidArgumentError(msg)
+    logprobs = _logprobs(body, chat=chat, stream=stream)
     n = check_int("n", body.get("n", 1))
     if n > MAX_CHOICES:
         msg = f"n must be at most {MAX_CHOICES}, got {n}"
@@ -168,10 +161,32 @@ def _completion(body: Mapping[str, Any], ids: list[int], *, chat: bool, tokenize
         presence_penalty=number("presence_penalty", body.get("presence_penalty") or 0, -2, 2),
         frequency_penalty=number("frequency_penalty", body.get("frequency_penalty") or 0, -2, 2),
         n=n,
+        logprobs=logprobs,
         stream=stream,
         include_usage=bool((options or {}).get("include_usage", False)),
         chat=chat,
     )
+
+
+def _logprobs(body: Mapping[str, Any], *, chat: bool, stream: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with, or None: completions' `logprobs` (0 to
+    5), a chat's `logprobs` (true or false) with `top_logprobs` (0 to 20)."""
+    if chat:
+        asked, top = body.get("logprobs"), body.get("top_logprobs")
+        if (asked is not None and not isinstance(asked, bool)) or (top is not None and not asked):
+            msg = f"logprobs must be true or false, and top_logprobs needs logprobs true; got {asked!r}, {top!r}"
+            raise InvalidArgumentError(msg)
+        count = None if not asked else int(number("top_logprobs", top if top is not None else 0, 0, 20))
+    else:
+        value = body.get("logprobs")
+        count = None if value is None else check_int("logprobs", value, minimum=0)
+        if count is not None and count > MAX_COMPLETION_LOGPROBS:
+            msg = f"logprobs must be at most {MAX_COMPLETION_LOGPROBS} (OpenAI's limit), got {count}"
+            raise InvalidArgumentError(msg)
+    if count is not None and stream:
+        msg = "logprobs with stream are not supported by this server (ask without streaming)"
+        raise InvalidArgumentError(msg)
+    return count
 
 
 def _stops(stop: object, tokenizer: Any) -> tuple[str, ...]:
@@ -260,17 +275,22 @@ class Answer:
         }
 
 
-def answer_body(choices: Sequence[list[int]], completion: Completion, answer: Answer) -> dict[str, Any]:
-    """OpenAI's completion (or chat completion) object for each choice's new tokens."""
+def answer_body(
+    choices: Sequence[list[int]], completion: Completion, answer: Answer,
+    logprobs: Sequence[Sequence[TokenLogprob]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's completion (or chat completion) object for each choice's new tokens (and their log-probabilities,
+    one `TokenLogprob` per new token, when the request asked for them)."""
     shaped = []
     for index, generated in enumerate(choices):
         text, stopped = cut_at_stop(answer.tokenizer.decode(generated, skip_special_tokens=True), completion.stop)
         finish = finish_reason(generated, completion.max_tokens, answer.end_ids, stopped=stopped)
+        given = None if logprobs is None else logprobs_body(logprobs[index], answer.tokenizer, chat=completion.chat)
         if completion.chat:
             message = {"role": "assistant", "content": text}
-            shaped.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish})
+            shaped.append({"index": index, "message": message, "logprobs": given, "finish_reason": finish})
         else:
-            shaped.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+            shaped.append({"index": index, "text": text, "logprobs": given, "finish_reason": finish})
     usage = answer.usage(completion, sum(len(generated) for generated in choices))
     return {**answer.head(completion), "choices": shaped, "usage": usage}
 
@@ -329,3 +349,51 @@ def role_chunk(answer: Answer, completion: Completion, index: int) -> dict[str, 
 def usage_chunk(answer: Answer, completion: Completion, completion_tokens: int) -> dict[str, Any]:
     """The last chunk of a stream asked with `stream_options.include_usage`: no choices, the usage."""
     return {**answer.head(completion), "choices": [], "usage": answer.usage(completion, completion_tokens)}
+
+
+@frozen
+class TokenLogprob:
+    """A new token's log-probability under the model, and the `top` likeliest tokens' at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(model: Any, prompt: Sequence[int], generated: Sequence[int], *, top: int) -> list[TokenLogprob]:
+    """Each new token's log-probability under the model's own distribution (its raw logits, before any
+    processor: what a sampler or a penalty changes is not in it), from one forward over the prompt and the new
+    tokens, as transformers' `generate(output_logits=True)` gives it, log-softmaxed."""
+    if not generated:
+        return []
+    ids = torch.tensor([[*prompt, *generated]], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    logprobs = logits[0, len(prompt) - 1 : -1].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, ids[0, len(prompt) :, None])[:, 0].tolist()
+    values, indices = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [
+        TokenLogprob(int(token), float(value), tuple(zip(indices[i].tolist(), values[i].tolist(), strict=True)))
+        for i, (token, value) in enumerate(zip(generated, chosen, strict=True))
+    ]
+
+
+def logprobs_body(entries: Sequence[TokenLogprob], tokenizer: Tokenizer, *, chat: bool) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice: a chat's `content` list, or a completion's parallel lists."""
+
+    def piece(token: int) -> str:
+        return tokenizer.decode([token])
+
+    if chat:
+        content = [
+            {"token": piece(e.token), "logprob": e.logprob, "bytes": list(piece(e.token).encode()),
+             "top_logprobs": [{"token": piece(t), "logprob": v, "bytes": list(piece(t).encode())} for t, v in e.top]}
+            for e in entries
+        ]  # fmt: skip
+        return {"content": content, "refusal": None}
+    pieces = [piece(e.token) for e in entries]
+    offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    return {
+        "tokens": pieces, "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{piece(t): v for t, v in e.top} for e in entries], "text_offset": offsets,
+    }  # fmt: skip

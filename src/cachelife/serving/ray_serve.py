@@ -59,6 +59,7 @@ from cachelife.serving.openai_text import (
     parse_completion,
     role_chunk,
     text_chunk,
+    token_logprobs,
     usage_chunk,
 )
 from cachelife.validate import check_int
@@ -145,10 +146,19 @@ class Replica:
                 raise failed[0]
             events = _events(streams, [f for f in firsts if not isinstance(f, BaseException)], completion, answer)
             return StreamingResponse(events, media_type="text/event-stream")
+        encoder_decoder = bool(self._model.config.is_encoder_decoder)
+        if encoder_decoder and completion.logprobs is not None:
+            msg = "logprobs are served for decoder-only models (one forward over the prompt and the new tokens)"
+            raise InvalidArgumentError(msg)
         outputs = await _all([self._engine.generate(**kwargs) for kwargs in arguments])
-        start = 1 if self._model.config.is_encoder_decoder else len(completion.prompt_ids)
+        start = 1 if encoder_decoder else len(completion.prompt_ids)
         choices = [[int(token) for token in output[0, start:]] for output in outputs]
-        return JSONResponse(answer_body(choices, completion, answer))
+        logprobs = None
+        if completion.logprobs is not None:
+            top, prompt = completion.logprobs, completion.prompt_ids
+            logprobs = [await asyncio.to_thread(token_logprobs, self._model, prompt, choice, top=top)
+                        for choice in choices]  # fmt: skip
+        return JSONResponse(answer_body(choices, completion, answer, logprobs))
 
     async def _transcribe(
         self, processor: AudioProcessor, languages: Sequence[str], task: str, request: Request
