@@ -63,6 +63,12 @@ def llama() -> tuple[PreTrainedModel, Any]:
     return cachelife.enable(zoo.build("llama").model), zoo.words_tokenizer()
 
 
+def letters() -> tuple[PreTrainedModel, Any]:
+    """The same Llama with the letters tokenizer, which transformers' stop strings read (the word-level one they
+    cannot): the served model for `stop`."""
+    return cachelife.enable(zoo.build("llama").model), zoo.letters_tokenizer(320)
+
+
 def whisper() -> tuple[PreTrainedModel, Any]:
     """The served Whisper's factory: zoo's tiny Whisper with language and task tokens, and its processor."""
     model = zoo.build("whisper").model
@@ -285,7 +291,7 @@ def server() -> Iterator[str]:
         ray_serve = importlib.import_module("cachelife.serving.ray_serve")
     # The replicas unpickle this module's factories: send them by value, not as an import of a test module.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # a replica takes one (logical) CPU
     try:
         # The engines' steps run eagerly: compiling them would take most of this module's time on a CPU.
         engine: dict[str, Any] = {"rows": 2, "max_length": 64, "queue_size": 4, "compile_step": False}
@@ -294,8 +300,9 @@ def server() -> Iterator[str]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(ray_serve.application(llama, name="llama", **engine), name="llama", route_prefix="/llama")
         serve.run(ray_serve.application(whisper, name="whisper", **engine), name="whisper", route_prefix="/whisper")
+        serve.run(ray_serve.application(letters, name="letters", **engine), name="letters", route_prefix="/letters")
         address = f"http://127.0.0.1:{port}"
-        routed(address, ["/llama/v1/completions", "/whisper/v1/audio/transcriptions"])
+        routed(address, ["/llama/v1/completions", "/whisper/v1/audio/transcriptions", "/letters/v1/completions"])
         yield address
     finally:
         serve.shutdown()
@@ -638,3 +645,34 @@ def test_logprobs_through_the_client_are_the_models_own_for_each_new_token(clien
     chat_tokens = reference_tokens(chat_ids(), 4, do_sample=False)
     assert [item.token for item in content] == [tokenizer.decode([token]) for token in chat_tokens]
     assert all(len(item.top_logprobs) == 3 and item.top_logprobs[0].token == item.token for item in content)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_through_the_client_ends_the_text_before_it_as_the_requests_generate_stops(
+    client: Callable[[str], Any], stream: bool
+) -> None:
+    model, tokenizer = letters()
+    prompt = tokenizer.encode("abc")
+    free = reference_generate(model, prompt, 10)
+    stop = tokenizer.decode(free[3:5])  # the 4th and 5th new tokens
+    settings: dict[str, Any] = {"model": "letters", "prompt": "abc", "max_tokens": 10, "temperature": 0,
+                                "stop": [stop]}  # fmt: skip
+    if stream:
+        chunks = list(client("letters").completions.create(**settings, stream=True))
+        text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        answer = client("letters").completions.create(**settings)
+        text, finish = answer.choices[0].text, answer.choices[0].finish_reason
+    stopped = reference_generate(model, prompt, 10, stop_strings=[stop], tokenizer=tokenizer)
+    full = tokenizer.decode(stopped, skip_special_tokens=True)
+    assert len(stopped) < len(free)
+    assert (text, finish) == (full[: full.index(stop)], "stop")
+
+
+def reference_generate(model: PreTrainedModel, prompt: list[int], new: int, **settings: Any) -> list[int]:
+    ids = torch.tensor([prompt])
+    tokens = cachelife.generate(model, input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                do_sample=False, compile_step=False, **settings)  # fmt: skip
+    assert isinstance(tokens, torch.Tensor)
+    return [int(token) for token in tokens[0, ids.shape[1] :]]
