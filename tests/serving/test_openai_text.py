@@ -126,6 +126,8 @@ def test_a_bad_completion_request_says_what_was_expected_and_what_came(body: obj
             {"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21},
             "top_logprobs must be a number in [0, 20], got 21",
         ),
+        ({"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 2.5}, "top_logprobs must"),
+        ({"messages": [{"role": "user", "content": "w5"}], "presence_penalty": False}, "presence_penalty must be"),
         ({"messages": [{"role": "user", "content": "w5"}], "tools": []}, "unsupported fields ['tools']"),
         ({"messages": [{"role": "user", "content": "w5"}], "prompt": "w5"}, "unsupported fields ['prompt']"),
     ],

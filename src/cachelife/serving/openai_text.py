@@ -39,6 +39,7 @@ ROLES: Final = ("system", "developer", "user", "assistant")
 MAX_STOPS: Final = 4
 MAX_CHOICES: Final = 16
 MAX_COMPLETION_LOGPROBS: Final = 5
+MAX_CHAT_LOGPROBS: Final = 20
 
 
 @frozen(kw_only=True)
@@ -158,14 +159,20 @@ def _completion(body: Mapping[str, Any], ids: list[int], *, chat: bool, tokenize
             seed=seed,
         ),
         stop=_stops(body.get("stop"), tokenizer),
-        presence_penalty=number("presence_penalty", body.get("presence_penalty") or 0, -2, 2),
-        frequency_penalty=number("frequency_penalty", body.get("frequency_penalty") or 0, -2, 2),
+        presence_penalty=_penalty(body, "presence_penalty"),
+        frequency_penalty=_penalty(body, "frequency_penalty"),
         n=n,
         logprobs=logprobs,
         stream=stream,
         include_usage=bool((options or {}).get("include_usage", False)),
         chat=chat,
     )
+
+
+def _penalty(body: Mapping[str, Any], name: str) -> float:
+    """A penalty from -2 to 2; left out or null, 0 (a `false` is refused, not read as 0)."""
+    value = body.get(name)
+    return 0.0 if value is None else number(name, value, -2, 2)
 
 
 def _logprobs(body: Mapping[str, Any], *, chat: bool, stream: bool) -> int | None:
@@ -176,7 +183,9 @@ def _logprobs(body: Mapping[str, Any], *, chat: bool, stream: bool) -> int | Non
         if (asked is not None and not isinstance(asked, bool)) or (top is not None and not asked):
             msg = f"logprobs must be true or false, and top_logprobs needs logprobs true; got {asked!r}, {top!r}"
             raise InvalidArgumentError(msg)
-        count = None if not asked else int(number("top_logprobs", top if top is not None else 0, 0, 20))
+        value = 0 if top is None else top
+        number("top_logprobs", value, 0, MAX_CHAT_LOGPROBS)  # OpenAI's range, and then a whole number
+        count = None if not asked else check_int("top_logprobs", value, minimum=0)
     else:
         value = body.get("logprobs")
         count = None if value is None else check_int("logprobs", value, minimum=0)
