@@ -12,21 +12,19 @@ import torch
 from cachelife.errors import InvalidArgumentError
 from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.openai_api import Sampling, error_answer, sampling_kwargs
+from cachelife.serving.openai_logprobs import TokenLogprob, logprobs_body, token_logprobs
 from cachelife.serving.openai_text import (
     Answer,
     Completion,
     TextDeltas,
-    TokenLogprob,
     answer_body,
     completion_kwargs,
     cut_at_stop,
     finish_reason,
-    logprobs_body,
     parse_chat,
     parse_completion,
     role_chunk,
     text_chunk,
-    token_logprobs,
     usage_chunk,
 )
 from cachelife.tools import zoo

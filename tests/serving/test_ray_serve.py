@@ -48,7 +48,7 @@ from cachelife.serving.openai_audio import (
     text_of,
     transcription_body,
 )
-from cachelife.serving.openai_text import token_logprobs
+from cachelife.serving.openai_logprobs import token_logprobs
 from cachelife.tools import zoo
 
 # One local Ray instance (a module fixture) for every test here: one pytest-xdist worker runs them all.

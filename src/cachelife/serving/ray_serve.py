@@ -46,6 +46,7 @@ from cachelife.serving.openai_audio import (
     transcription_body,
     transcription_kwargs,
 )
+from cachelife.serving.openai_logprobs import token_logprobs
 from cachelife.serving.openai_text import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -59,7 +60,6 @@ from cachelife.serving.openai_text import (
     parse_completion,
     role_chunk,
     text_chunk,
-    token_logprobs,
     usage_chunk,
 )
 from cachelife.validate import check_int
