@@ -1,7 +1,8 @@
 """Where a step of `cachelife.Engine` goes, with every row decoding: wall time, kernel time by kind, idle device.
 
     python -m bench.engine_step [--device cuda] [--model llama-3.2-1b] [--dtype bfloat16] [--rows 1,16]
-                                [--max-length 512] [--prompt 64] [--window 0.5] [--out DIR]
+                                [--max-length 512] [--prompt 64] [--window 0.5]
+                                [--enable none,decode_attention/fuse_projections] [--out DIR]
 
 For each `--rows` value an `Engine(rows=N, max_length=--max-length)` gets N requests of `--prompt` tokens that
 each decode to the end of the cache (`min_new_tokens = max_new_tokens`), so that every row decodes through the
@@ -10,15 +11,20 @@ scheduler's step calls (wall ms per step: the whole boundary, host work included
 (device activity alone) the device's kernels,
 grouped by kind as bench/profile_step.py groups them (ms per step and kernels per step), and the device's idle
 time (the window's span less the union of its kernels' intervals, per step): how much of a step the device
-waits for the host. Per rows value also the ratio of its wall ms per step to the first rows value's.
+waits for the host. Each measurement also gives the ratio of its wall ms per step to the first one's (the first
+options set's first rows value).
 Then the first two rows decode to their end and are judged against transformers (bench.verdict, tokens).
+`--enable` measures every rows value once per set of `cachelife.enable` options (`/` between sets, `,` between
+the options of one set, `none` for none): the model is enabled with the set's options (each True), measured,
+and disabled again, so that every lever's wall time per step is measured beside the default in one process.
 Writes `<out>/engine-step-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +34,7 @@ from bench.padded import MODEL_NAMES, build_model
 from bench.profile_step import GROUPS, OTHER, group_of
 from bench.results_file import bench_parser, results_file
 from bench.verdict import judge
+from cachelife.integration.enabling import disable, enable
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
@@ -54,6 +61,35 @@ def device_kernels(profiler: Any) -> list[tuple[str, int, int]]:
             start = event.start_ns()
             kernels.append((event.name(), start, start + event.duration_ns()))
     return kernels
+
+
+def option_sets(text: str) -> list[tuple[str, ...]]:
+    """`--enable`'s sets of `cachelife.enable` options: `/` between sets, `,` within one, `none` for none."""
+    sets = []
+    for part in text.split("/"):
+        names = tuple(name for name in part.split(",") if name and name != "none")
+        unknown = set(names) - set(LEVERS)
+        if unknown:
+            msg = f"--enable takes {', '.join(LEVERS)} or none, got {', '.join(sorted(unknown))}"
+            raise SystemExit(msg)
+        sets.append(names)
+    return sets
+
+
+LEVERS = ("fuse_projections", "decode_attention", "small_linear", "compile_regions")
+
+
+@contextmanager
+def enabled(model: Any, options: tuple[str, ...]) -> Iterator[None]:
+    """The model enabled with `options` (each True) for the block, disabled after; nothing for no options."""
+    if not options:
+        yield
+        return
+    enable(model, **dict.fromkeys(options, True))
+    try:
+        yield
+    finally:
+        disable(model)
 
 
 def measure(model: Any, rows: int, args: Any) -> dict[str, Any]:
@@ -130,7 +166,9 @@ def main() -> int:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--window", type=float, default=0.5, help="seconds timed, and seconds profiled")
+    parser.add_argument("--enable", default="none", help="sets of cachelife.enable options, '/' between sets")
     args = parser.parse_args()
+    sets = option_sets(args.enable)
     device = pick_device(args.device)
     model = build_model(args.model, device, getattr(torch, args.dtype))
     model.generation_config.eos_token_id = None  # every row decodes to its length
@@ -139,11 +177,13 @@ def main() -> int:
         "window_s": args.window, "results": [],
     })  # fmt: skip
     first: float | None = None
-    for rows in (int(part) for part in args.rows.split(",")):
-        measured = measure(model, rows, args)
-        first = measured["wall_ms_per_step"] if first is None else first
-        measured["wall_ratio_to_first"] = round(measured["wall_ms_per_step"] / first, 3)
-        out.add(measured)
+    for options in sets:
+        with enabled(model, options):
+            for rows in (int(part) for part in args.rows.split(",")):
+                measured = {"enable": list(options), **measure(model, rows, args)}
+                first = measured["wall_ms_per_step"] if first is None else first
+                measured["wall_ratio_to_first"] = round(measured["wall_ms_per_step"] / first, 3)
+                out.add(measured)
     out.finish()
     return 0
 

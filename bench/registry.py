@@ -353,6 +353,24 @@ _ENTRIES = (
         "cuda", "engine-step-llama-3.2-1b-cuda-*.json",
     ),
     Benchmark(
+        "engine-step-llama-levers", "bench.engine_step",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "16", "--max-length", "512",
+         "--prompt", "64", "--window", "0.3",
+         "--enable", "decode_attention/decode_attention,fuse_projections,small_linear"),
+        "the engine-step-llama profile of the 16-row step with cachelife.enable's kernel levers: the decode "
+        "attention kernel alone, and with fused projections and the few-row linear kernel",
+        "cuda", "engine-step-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
+        "engine-llama-throughput", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
+         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine", "--verdicts", "4"),
+        "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy: 64 requests of 16-128 prompt tokens "
+        "and 128 new tokens from 16 and 64 clients (issue 33's shape), with the scheduler's time split and the "
+        "verdict against transformers",
+        "cuda", "engine-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
         "longform", "bench.longform",
         ("--device", "cuda", "--model", "whisper-large-v3", "--minutes", "5", "--new-tokens", "64",
          "--paths", "auto,cachelife"),
