@@ -2,7 +2,7 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,engine_eager_prefill,engine_cudnn,sequential,auto,generate_batch]
+                           [--paths engine,engine_one_prefill,engine_eager_prefill,engine_cudnn,sequential,...]
                            [--num-beams 1] [--ttft] [--verdicts 8]
                            [--switch-interval SECONDS] [--out DIR]
 
@@ -18,24 +18,25 @@ random features) are served, per path:
 - `engine_eager_prefill`: `engine` with every newcomer prefilled by transformers' eager prefill (a
   decoder-only model's engine compiles its prefill otherwise); the engine paths run in the order given, and
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
+- `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
+  join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
 - `engine_cudnn`: `engine` with its steps allowed torch's cuDNN attention (as before they kept to attention that
   repeats exactly: the cost of repeatable attention);
 - `engine_sampling_one` and `engine_sampling_mixed`: `engine` with every request sampling (seeded), all with one
   setting (temperature 0.8, top-k 50, top-p 0.95), or with 16 settings spread over the requests (temperatures,
   top-k, top-p, min-p and repetition penalties of their own): what a mix of client-chosen settings costs;
 - `generate_batch` (decoder-only): transformers' continuous batching, every request given at once.
-A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that
-nothing done the first time (compilation, captures, a prompt length that transformers' eager prefill has not
-met yet) lands in whichever client count runs first. Per path: wall seconds, new tokens per second, each
-request's latency (submit to result: p50, p99, max), a lone request's latency (`sequential`'s first), for
-the engine the steps and joins of that run and the scheduler's seconds spent admitting newcomers and running
-steps, with `--ttft` each path's time to first token (submit to the streamer's first new token: every timed
-request gets a streamer; not with beams, which transformers does not stream), with `--num-beams` every
-request a beam search (a group of that many rows in the engine), whether each engine run gave every request
-the tokens of its warm-up (identical submissions, identical tokens), for a decoder-only model the verdict against
-transformers on the first `--verdicts` requests' warm-up tokens (bench.verdict), and how many requests' tokens equal
-`sequential`'s (in bf16 a batch's matrix
-products may round otherwise than one row's, so near ties can break otherwise).
+A warm-up (every request once, for the engine from `--rows` clients) runs before anything is timed, so that nothing
+done the first time (compilation, captures, a prompt length that transformers' eager prefill has not met yet) lands
+in whichever client count runs first. Per path: wall seconds, new tokens per second, each request's latency (submit
+to result: p50, p99, max), a lone request's latency (`sequential`'s first), for the engine the steps, joins and
+prefill forwards of that run and the scheduler's seconds spent admitting newcomers and running steps, with `--ttft`
+each path's time to first token (submit to the streamer's first new token: every timed request gets a streamer; not
+with beams, which transformers does not stream), with `--num-beams` every request a beam search (a group of that
+many rows in the engine), whether each engine run gave every request the tokens of its warm-up (identical
+submissions, identical tokens), for a decoder-only model the verdict against transformers on the first `--verdicts`
+requests' warm-up tokens (bench.verdict), and how many requests' tokens equal `sequential`'s (in bf16 a batch's
+matrix products may round otherwise than one row's, so near ties can break otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -63,6 +64,7 @@ from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, synchronize
 from bench.verdict import judge
 from cachelife.serving.engine import Engine
+from cachelife.serving.joint_prefill import JointPrefill
 from cachelife.serving.prefill import Prefill
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
@@ -221,6 +223,18 @@ def profile_scheduler(path: str) -> None:
 
 
 @contextlib.contextmanager
+def one_prefill_each() -> Iterator[None]:
+    """Engines made within prefill every newcomer alone, in a forward of its own (what the engine did before its
+    joint prefill): a benchmark's instrument, for the side-by-side comparison."""
+    takes = JointPrefill.takes
+    JointPrefill.takes = lambda self, joining: False  # type: ignore[method-assign]  # a benchmark's instrument
+    try:
+        yield
+    finally:
+        JointPrefill.takes = takes  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def eager_prefills() -> Iterator[None]:
     """Engines made within prefill every newcomer with transformers' eager prefill (what a decoder-only model's
     engine did before its prefill was compiled): a benchmark's instrument, for the side-by-side comparison."""
@@ -265,6 +279,7 @@ def engine_runs(
                      "same_tokens_as_warm_up": repeated, **verdicts,
                      **({"equal_to_sequential": all(same), "requests_equal": sum(same)} if reference else {}),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
+                     "prefills": after.prefills - before.prefills,
                      "programs": after.programs,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
                      "scheduler_prefill_s": round(after.prefill_seconds - before.prefill_seconds, 4),
@@ -373,9 +388,10 @@ def main() -> int:
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
-        if path in ("engine", "engine_eager_prefill", "engine_cudnn"):
+        if path in ("engine", "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
             label = path if path not in paths[:index] else f"{path}_again"
-            instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed}
+            instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
+                          "engine_one_prefill": one_prefill_each}  # fmt: skip
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)
             with instrument.get(path, contextlib.nullcontext)():
                 engine_runs(out, model, requests, args, reference=reference, new=new, label=label)

@@ -85,7 +85,7 @@ def enabled(model: Any, options: tuple[str, ...]) -> Iterator[None]:
     if not options:
         yield
         return
-    enable(model, **dict.fromkeys(options, True))
+    enable(model, **dict.fromkeys(options, True))  # type: ignore[arg-type]  # only the boolean levers
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ from cachelife.errors import EngineClosedError, UnsupportedGenerationError
 from cachelife.serving import preparation
 from cachelife.serving import requests as request_checks
 from cachelife.serving.engine import Engine
+from cachelife.serving.joint_prefill import joint_groups
 from cachelife.serving.rows import Rows
 from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.tools import zoo
@@ -83,6 +84,71 @@ def test_a_request_prepared_later_still_joins_in_its_submission_order(
         for future in (busy, earlier, later):
             future.result(timeout=60)
     assert ended == ["earlier", "later"]
+
+
+def joint_requests(built: zoo.ZooModel) -> list[dict[str, Any]]:
+    """Seven newcomers of a boundary: prompts of 2 to 11 tokens, two left-padded (mask passed, mask inferred),
+    one sampling with a seed, one with a repetition penalty."""
+    requests: list[dict[str, Any]] = [
+        {**built.inputs(1, length, 20 + length), "max_new_tokens": 3 + length % 4} for length in (2, 11, 6, 9, 4)
+    ]
+    padded = zoo.left_padded(built.inputs(1, 8, 40), 3, pad_token_id=0)
+    requests.append({**padded, "max_new_tokens": 5})
+    inferred = zoo.left_padded(built.inputs(1, 7, 41), 2, pad_token_id=0)
+    del inferred["attention_mask"]
+    requests.append({**inferred, "max_new_tokens": 6})
+    requests[2].update(do_sample=True, temperature=0.7, top_k=20)
+    requests[3].update(repetition_penalty=1.3)
+    return requests
+
+
+@pytest.mark.parametrize("compile_step", [False, True], ids=["eager-step", "compiled-step"])
+def test_newcomers_of_one_boundary_share_one_prefill_and_each_decodes_as_alone(
+    llama: zoo.ZooModel, compile_step: bool
+) -> None:
+    """Seven requests that wait while a step runs join at the next boundary through one forward (padded to the
+    joint prefill's eight rows); each decodes as its own `cachelife.generate` and `generate` would (before, each
+    had a forward of its own)."""
+    model = llama.model
+    requests = joint_requests(llama)
+    seeds = {2: 5}
+    with Engine(model, rows=8, max_length=48, compile_step=compile_step) as engine:
+        gate = Gate(engine)
+        busy = engine.submit(**llama.inputs(1, 5, 0), max_new_tokens=4)
+        until(lambda: engine.stats().decoding == 1)
+        futures = [
+            engine.submit(**request, generator=torch.Generator().manual_seed(seeds[index]) if index in seeds else None)
+            for index, request in enumerate(requests)
+        ]
+        until(lambda: engine.stats().waiting == len(requests))
+        gate.open.set()
+        results = [future.result(timeout=300) for future in futures]
+        busy.result(timeout=60)
+        stats = engine.stats()
+    assert (stats.joins, stats.prefills) == (8, 2)
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        generator = torch.Generator().manual_seed(seeds[index]) if index in seeds else None
+        assert torch.equal(result, alone(model, generator=generator, **request)), index
+        if index not in seeds:
+            assert torch.equal(result, zoo.generate_tokens(model, request)), index
+
+
+def test_joint_groups_take_neighbours_up_to_the_largest_scratch() -> None:
+    class Joint:
+        most = 4
+
+        def takes(self, joining: Any) -> bool:
+            return bool(joining.groupable)
+
+    class Newcomer:
+        def __init__(self, name: str, groupable: bool) -> None:
+            self.name, self.groupable = name, groupable
+
+    newcomers = [Newcomer(name, name != "beams") for name in ("a", "b", "beams", "c", "d", "e", "f", "g", "h")]
+    groups = joint_groups(newcomers, Joint())  # type: ignore[arg-type]  # stand-ins with what it reads
+    assert [[newcomer.name for newcomer in group] for group in groups] == [  # type: ignore[attr-defined]
+        ["a", "b"], ["beams"], ["c", "d", "e", "f"], ["g", "h"]
+    ]  # fmt: skip
 
 
 def test_a_failing_scheduler_closes_the_engine_and_fails_every_request_it_holds_with_the_cause(

@@ -11,6 +11,7 @@ table; the device buffers are `rows`' (and a beam program's state, `beam_groups`
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from cachelife.generation.steps import LoopSettings, stepper
 from cachelife.serving.admission import BatchView
 from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
 from cachelife.serving.encoder_rows import EncoderRow, padded_encoder_row, write_encoder_row
+from cachelife.serving.joint_prefill import JointPrefill, Prefilled, group_sizes
 from cachelife.serving.model_facts import (
     check_memory,
     check_positions,
@@ -53,6 +55,8 @@ from cachelife.serving.rows import (
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.serving.window import Occupant, Placement
+
+logger = logging.getLogger(__name__)
 
 
 @define
@@ -82,7 +86,9 @@ class Batch:
         check_positions(model, max_length)
         refuse_sliding_windows(model, self.width)
         self.encoder_length = encoder_length_of(model, encoder_length)
-        check_memory(model, rows=rows, width=self.width, encoder_length=self.encoder_length)
+        joint = () if model.config.is_encoder_decoder else group_sizes(rows)
+        check_memory(model, rows=rows, width=self.width, encoder_length=self.encoder_length,
+                     scratch_rows=1 + sum(joint))  # fmt: skip
         self.vocab = vocab_size(model)
         device = model.device
         self.rows = Rows.allocate(rows, buffer_width(max_length), self.width, device)
@@ -93,6 +99,8 @@ class Batch:
                                             encoder_length=self.encoder_length)  # fmt: skip
         self.prefill = Prefill(model, self.scratch, settings, self.vocab)
         self.writes = RowWrites(model, self.cache, self.scratch, settings)
+        self.joint = JointPrefill(model, self.cache, sizes=joint, width=self.width, settings=settings,
+                                  prefill=self.prefill, cache_name=self.names.cache)  # fmt: skip
         if is_encoder_decoder_cache(self.cache):  # every row's encoder keys and values are written at its join
             for index in range(len(lifecycle(self.cache).cross_attention)):
                 self.cache.is_updated[index] = True
@@ -114,6 +122,7 @@ class Batch:
         self.moves = 0
         self.joins = 0
         self.prefill_seconds = 0.0  # the scheduler's wall seconds in newcomers' prefills
+        self.prefills = 0  # forwards over newcomers' prompts (a joint prefill's is one)
 
     def view(self) -> BatchView:
         """The batch as admission (`admission.plan`) sees it."""
@@ -124,25 +133,44 @@ class Batch:
             slot=self.slot, width=self.width, reserve=self.reserve,
         )  # fmt: skip
 
-    def join(self, joining: Joining, first: int, placement: Placement) -> None:
+    def prefill_jointly(self, joinings: list[Joining]) -> list[Prefilled] | None:
+        """The newcomers' prompts through one forward (`joint_prefill`), or None if it failed (each is then
+        prefilled alone, and fails alone)."""
+        started = time.perf_counter()
+        try:
+            prefilled = self.joint(joinings)
+        except Exception:
+            logger.warning("cachelife.Engine: a joint prefill of %d newcomers failed; each is prefilled alone",
+                           len(joinings), exc_info=True)  # fmt: skip
+            return None
+        finally:
+            self.prefill_seconds += time.perf_counter() - started
+        self.prefills += 1
+        return prefilled
+
+    def join(self, joining: Joining, first: int, placement: Placement, prefilled: Prefilled | None = None) -> None:
         """Write the newcomer's prompt into its free rows from `first` so that it ends before the placement's
-        slot, and pick its first token (or take its beams' first step); a failure fails the newcomer alone and
-        leaves the other rows as they were."""
+        slot (from `prefilled`, or its own prefill now), and pick its first token (or take its beams' first
+        step); a failure fails the newcomer alone and leaves the other rows as they were."""
         group = self.slots[first : first + joining.beams]
         for slot in group:
             slot.move("admit", Prefilling(joining.request.number))
+        encoder = None
         try:
             program = self._joining_program(joining)
-            started = time.perf_counter()
-            logits, encoder = self._prefill(joining)
-            self.prefill_seconds += time.perf_counter() - started
+            if prefilled is None:
+                started = time.perf_counter()
+                logits, encoder = self._prefill(joining)
+                self.prefill_seconds += time.perf_counter() - started
+                self.prefills += 1
+                prefilled = Prefilled(logits, self.writes, 0, 0)
         except Exception as error:
             for slot in group:
                 slot.move("fail", Free())
             hand_back(joining, error=error)
             return
         try:
-            start = self._place(first, joining, placement, program=program, logits=logits, encoder=encoder)
+            start = self._place(first, joining, placement, program=program, prefilled=prefilled, encoder=encoder)
         except BaseException as error:
             # A roll moves every row: past the prefill, a failure leaves the batch's buffers in doubt, and the
             # scheduler fails every row after this one.
@@ -162,17 +190,18 @@ class Batch:
 
     def _place(
         self, first: int, joining: Joining, placement: Placement, *, program: Program | BeamProgram,
-        logits: torch.Tensor, encoder: EncoderRow | None,
+        prefilled: Prefilled, encoder: EncoderRow | None,
     ) -> int:  # fmt: skip
         """Move the rows as the placement says, copy the prefill into the request's rows from `first`, pick the
         first token (or take the beams' first step); the rows' first slot."""
+        logits = prefilled.logits
         self.program = program
         if placement.shift:
             self._roll(placement.shift)
         self.slot = placement.slot
         start = self.slot - joining.prompt
         for row in range(first, first + joining.beams):
-            self.writes.write(row, start, self.slot)
+            prefilled.writes.write(row, start - prefilled.extra, self.slot, prefilled.source)
             if encoder is not None:
                 write_encoder_row(self.step_inputs, row, encoder)
             self.rows.start(row, joining.input_ids[:1], joining.max_length, start, joining.padding)

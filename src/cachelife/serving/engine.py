@@ -43,6 +43,7 @@ from cachelife.generation.steps import CudaGraphs, LoopSettings
 from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
+from cachelife.serving.joint_prefill import joint_groups
 from cachelife.serving.preparation import candidate, prepared_joining
 from cachelife.serving.requests import (
     Joining,
@@ -68,7 +69,8 @@ class EngineStats:
     seconds spent so far admitting newcomers (prefill, placement, first token) and running steps (calls of the
     step, hand-backs). Of those, `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to
     reading the rows' lengths and end flags after each call of the step (which waits for the device to finish
-    it) and handing tokens over."""
+    it) and handing tokens over. `prefills` counts the forwards over newcomers' prompts: newcomers that join
+    at one boundary share one (`joint_prefill`) where they can."""
 
     decoding: int
     waiting: int
@@ -82,6 +84,7 @@ class EngineStats:
     prefill_seconds: float
     collect_seconds: float
     programs: int  # programs the batch keeps (the per-row pipeline's variants and programs of their own)
+    prefills: int
 
 
 class Engine:
@@ -207,6 +210,7 @@ class Engine:
                 prefill_seconds=batch.prefill_seconds,
                 collect_seconds=self._collect_seconds,
                 programs=len(batch.programs),
+                prefills=batch.prefills,
             )
 
     def close(self, *, wait: bool = True) -> None:
@@ -385,15 +389,20 @@ class Engine:
                 return
 
     def _join_all(self, chosen: list[tuple[Joining, Admission]]) -> bool:
-        """Join each as planned; False at the first join that failed, the ones after it back in the queue."""
+        """Join each as planned, neighbours that a joint prefill takes prefilled together; False at the first
+        join that failed, the ones after it back in the queue."""
         joined = 0
         try:
-            for joining, admission in chosen:
-                joins = self._batch.joins
-                self._batch.join(joining, admission.first, admission.placement)
-                if self._batch.joins == joins:
-                    return False
-                joined += 1
+            for group in joint_groups([joining for joining, _ in chosen], self._batch.joint):
+                prefilled = self._batch.prefill_jointly(group) if len(group) > 1 else None
+                for index in range(len(group)):
+                    joining, admission = chosen[joined]
+                    joins = self._batch.joins
+                    own = None if prefilled is None else prefilled[index]
+                    self._batch.join(joining, admission.first, admission.placement, own)
+                    if self._batch.joins == joins:
+                        return False
+                    joined += 1
         finally:
             with self._lock:
                 self._waiting.extend(joining for joining, _ in chosen[joined + 1 :])

@@ -107,8 +107,10 @@ def check_positions(model: PreTrainedModel, max_length: int) -> None:
             raise InvalidArgumentError(msg)
 
 
-def cache_bytes(model: PreTrainedModel, *, rows: int, width: int, encoder_length: int | None) -> int | None:
-    """The bytes of an engine's caches (its rows' and the one-row scratch cache), from the decoder's config;
+def cache_bytes(
+    model: PreTrainedModel, *, rows: int, width: int, encoder_length: int | None, scratch_rows: int = 1
+) -> int | None:
+    """The bytes of an engine's caches (its rows' and its scratch caches' rows), from the decoder's config;
     None where the config does not say its layers, key/value heads and head size."""
     config = model.config.get_text_config(decoder=True)
     layers = _first_int(config, "num_decoder_layers", "decoder_layers", "num_hidden_layers", "n_layer")
@@ -123,12 +125,14 @@ def cache_bytes(model: PreTrainedModel, *, rows: int, width: int, encoder_length
         return None
     positions = width + (encoder_length or 0)  # self-attention slots, and cross-attention's encoder positions
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return (rows + 1) * positions * layers * 2 * heads * head_size * itemsize
+    return (rows + scratch_rows) * positions * layers * 2 * heads * head_size * itemsize
 
 
-def check_memory(model: PreTrainedModel, *, rows: int, width: int, encoder_length: int | None) -> None:
+def check_memory(
+    model: PreTrainedModel, *, rows: int, width: int, encoder_length: int | None, scratch_rows: int = 1
+) -> None:
     """`InvalidArgumentError` before any allocation for caches larger than the device's free memory."""
-    needed = cache_bytes(model, rows=rows, width=width, encoder_length=encoder_length)
+    needed = cache_bytes(model, rows=rows, width=width, encoder_length=encoder_length, scratch_rows=scratch_rows)
     free = _free_bytes(model.device)
     if needed is None or free is None or needed <= free:
         return

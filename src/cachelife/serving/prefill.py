@@ -51,6 +51,7 @@ class Prefill:
         self.ran: set[Callable[..., None]] = set()  # compiled forwards that have run (compiled) once
         self.logits = torch.zeros(1, vocab, dtype=torch.float32, device=model.device)
         torch._dynamo.mark_static_address(self.logits)
+        self.joint_logits: dict[int, torch.Tensor] = {}  # rows -> the joint prefills' logits (`joint`)
         # shape key -> (static inputs, the function that runs the forward on them)
         self.shapes: dict[tuple[object, ...], tuple[dict[str, Any], Callable[[], int]]] = {}
 
@@ -90,19 +91,38 @@ class Prefill:
         self.logits.copy_(logits[:, -1])
         return self.logits
 
-    def _compiled_forward(self, inputs: dict[str, Any]) -> bool:
-        """Run the compiled forward on `inputs`; False (once, with a warning; later prefills are eager) if its
-        first call, which compiles it, fails."""
+    def joint(self, input_ids: torch.Tensor, kwargs: dict[str, Any], scratch: object) -> torch.Tensor:
+        """The last logits (one row per prompt; float32) of several left-padded prompts prefilled together on
+        `scratch`, an empty scratch cache of as many rows that `kwargs` names (`joint_prefill`). The tensor is
+        reused by the next joint prefill of as many rows."""
+        rows = int(input_ids.shape[0])
+        logits = self.joint_logits.get(rows)
+        if logits is None:
+            logits = self.joint_logits[rows] = torch.zeros(rows, self.logits.shape[1], dtype=torch.float32,
+                                                           device=self.model.device)  # fmt: skip
+        inputs = self.model.prepare_inputs_for_generation(
+            input_ids, next_sequence_length=None, is_first_iteration=True, **kwargs
+        )
+        if self.compiles and self._compiled_forward(inputs, logits):
+            return logits
+        lifecycle(scratch).reset()  # a failed compilation may have written part of it
+        prefill_forward(model=self.model, inputs=inputs, logits=logits)
+        return logits
+
+    def _compiled_forward(self, inputs: dict[str, Any], logits: torch.Tensor | None = None) -> bool:
+        """Run the compiled forward on `inputs` into `logits` (the one-row prefill's unless given); False (once,
+        with a warning; later prefills are eager) if its first call, which compiles it, fails."""
+        logits = self.logits if logits is None else logits
         kind = specialization(inputs)
         forward = compiled_step(
             self.model, "engine prefill", prefill_forward, "default", self.settings.compile_options, kind=kind
         )
         if forward in self.ran:
-            forward(model=self.model, inputs=inputs, logits=self.logits)
+            forward(model=self.model, inputs=inputs, logits=logits)
             return True
         try:
             with FIRST_CALLS:  # the first call compiles
-                forward(model=self.model, inputs=inputs, logits=self.logits)
+                forward(model=self.model, inputs=inputs, logits=logits)
         except Exception:
             logger.warning(
                 "cachelife.Engine: the compiled prefill of %s failed to compile; its newcomers are prefilled "

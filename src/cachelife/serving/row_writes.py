@@ -1,11 +1,12 @@
 """Putting a newcomer's prefill into its row of the engine's cache, in kernels that serve every row and start.
 
-The scratch cache's self-attention keys and values go into the row shifted by the row's first slot, `start`:
-scratch slot `s` to row slot `(start + s) % width`, the whole width at once. The prompt lands at
+One row of a scratch cache (`source`: a one-row prefill's, or one prompt of a joint prefill's) goes into the
+row: its self-attention keys and values shifted by the row's first slot, `start`, scratch slot `s` to row slot
+`(start + s) % width`, the whole width at once. The prompt lands at
 `start .. start + prompt`; what else the scratch holds lands before `start`, which the row masks, or from the
 batch's write slot on, which no query reads before a step overwrites it. Cross-attention keys and values go
 into the row whole, and every self-attention layer's position counter is set to the batch's write slot. The
-row, start and slot are one device tensor, so the same kernels serve every newcomer: under cachelife's CUDA
+row, start, slot and source are one device tensor, so the same kernels serve every newcomer: under cachelife's CUDA
 graphs they are captured once and replayed per newcomer.
 """
 
@@ -34,9 +35,9 @@ def write_row(
     positions: Sequence[torch.Tensor],
     grids: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """`where` is (row, start, slot); `grids[(heads, width)]` holds, for every head `h` and scratch slot `s` in
-    order, `h * width` and `s`."""
-    row, start, slot = where[0], where[1], where[2]
+    """`where` is (row, start, slot, source); `grids[(heads, width)]` holds, for every head `h` and scratch slot
+    `s` in order, `h * width` and `s`."""
+    row, start, slot, source = where[0], where[1], where[2], where[3:]
     indices: dict[tuple[int, int], torch.Tensor] = {}
     for into, out_of in self_attention:
         rows, heads, width, size = into.shape
@@ -44,9 +45,10 @@ def write_row(
         if key not in indices:
             head_offsets, slots = grids[key]
             indices[key] = row * (heads * width) + head_offsets + torch.remainder(slots + start, width)
-        into.view(rows * heads * width, size).index_copy_(0, indices[key], out_of.reshape(heads * width, size))
+        written = out_of.index_select(0, source).reshape(heads * width, size)
+        into.view(rows * heads * width, size).index_copy_(0, indices[key], written)
     for into, out_of in cross_attention:
-        into.index_copy_(0, where[:1], out_of)
+        into.index_copy_(0, where[:1], out_of.index_select(0, source))
     for length in positions:
         length.copy_(slot)
 
@@ -60,7 +62,7 @@ class RowWrites:
         self_attention = _pairs(mine.self_attention, theirs.self_attention)
         cross_attention = _pairs(mine.cross_attention, theirs.cross_attention)
         device = model.device
-        self.where = torch.zeros(3, dtype=torch.long, device=device)
+        self.where = torch.zeros(4, dtype=torch.long, device=device)
         grids: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for into, _ in self_attention:
             heads, width = int(into.shape[1]), int(into.shape[2])
@@ -79,9 +81,9 @@ class RowWrites:
             )  # fmt: skip
             self._run = graphed.advance
 
-    def write(self, row: int, start: int, slot: int) -> None:
-        """The scratch cache's content into `row`, its prompt from slot `start`; the batch writes at `slot`."""
-        self.where.copy_(torch.tensor((row, start, slot)))
+    def write(self, row: int, start: int, slot: int, source: int = 0) -> None:
+        """Row `source` of the scratch cache into `row`, its first slot at `start`; the batch writes at `slot`."""
+        self.where.copy_(torch.tensor((row, start, slot, source)))
         self._run()
 
     def _eager(self) -> int:
