@@ -4,6 +4,8 @@ beams, to `model.generate`'s, at 1 and 3 steps per graph replay; beam requests a
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -116,3 +118,33 @@ def test_a_mix_of_settings_under_graphs_shares_one_program_and_equals_generate()
         assert torch.equal(result, expected), (index, request)
         if not request.get("do_sample"):
             assert torch.equal(result, zoo.generate_tokens(built.model, request)), (index, request)
+
+
+def test_newcomers_of_one_boundary_share_one_prefill_under_graphs_and_equal_generate() -> None:
+    """Seven requests that wait while the first one's steps are held join at one boundary through one compiled
+    forward; each equals its own `cachelife.generate` and `model.generate` (fp32, under cachelife's graphs)."""
+    built = zoo.build("llama-small", device="cuda")
+    requests = [{**built.inputs(1, length, length), "max_new_tokens": 4 + length % 5} for length in (2, 13, 7, 9, 4)]
+    padded = zoo.left_padded(built.inputs(1, 8, 30), 3, pad_token_id=0)
+    requests += [{**padded, "max_new_tokens": 6}, {**built.inputs(1, 11, 31), "max_new_tokens": 3}]
+    with Engine(built.model, rows=8, max_length=48) as engine:
+        held = threading.Event()
+        advance = engine._batch.advance
+        engine._batch.advance = lambda: (held.wait(), advance())[1]  # type: ignore[method-assign]
+        first = engine.submit(**built.inputs(1, 5, 0), max_new_tokens=4)
+        deadline = time.monotonic() + 300
+        while engine.stats().decoding < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        futures = [engine.submit(**request) for request in requests]
+        while engine.stats().waiting < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.set()
+        results = [future.result(timeout=600) for future in futures]
+        first.result(timeout=60)
+        stats = engine.stats()
+    assert (stats.joins, stats.prefills) == (8, 2)
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(built.model, fallback=False, **request)
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), index
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
