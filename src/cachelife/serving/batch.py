@@ -11,7 +11,6 @@ table; the device buffers are `rows`' (and a beam program's state, `beam_groups`
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,8 +54,6 @@ from cachelife.serving.rows import (
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
 from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.serving.window import Occupant, Placement
-
-logger = logging.getLogger(__name__)
 
 
 @define
@@ -134,18 +131,11 @@ class Batch:
         )  # fmt: skip
 
     def prefill_jointly(self, joinings: list[Joining]) -> list[Prefilled] | None:
-        """The newcomers' prompts through one forward (`joint_prefill`), or None if it failed (each is then
-        prefilled alone, and fails alone)."""
+        """The newcomers' prompts through one forward (`joint_prefill`), or None if it failed."""
         started = time.perf_counter()
-        try:
-            prefilled = self.joint(joinings)
-        except Exception:
-            logger.warning("cachelife.Engine: a joint prefill of %d newcomers failed; each is prefilled alone",
-                           len(joinings), exc_info=True)  # fmt: skip
-            return None
-        finally:
-            self.prefill_seconds += time.perf_counter() - started
-        self.prefills += 1
+        prefilled = self.joint.or_none(joinings)
+        self.prefill_seconds += time.perf_counter() - started
+        self.prefills += prefilled is not None
         return prefilled
 
     def join(self, joining: Joining, first: int, placement: Placement, prefilled: Prefilled | None = None) -> None:
@@ -159,11 +149,7 @@ class Batch:
         try:
             program = self._joining_program(joining)
             if prefilled is None:
-                started = time.perf_counter()
-                logits, encoder = self._prefill(joining)
-                self.prefill_seconds += time.perf_counter() - started
-                self.prefills += 1
-                prefilled = Prefilled(logits, self.writes, 0, 0)
+                prefilled, encoder = self._prefill(joining)
         except Exception as error:
             for slot in group:
                 slot.move("fail", Free())
@@ -391,9 +377,10 @@ class Batch:
             settings=self.settings, fixed_buffers=True, live_settings=True,  # joins write the program's rows
         )  # fmt: skip
 
-    def _prefill(self, joining: Joining) -> tuple[torch.Tensor, EncoderRow | None]:
-        """The newcomer's prompt through the prefill on the scratch cache: its last logits, and its encoder
-        output (and mask) at the engine's encoder length."""
+    def _prefill(self, joining: Joining) -> tuple[Prefilled, EncoderRow | None]:
+        """The newcomer's prompt through the prefill on the scratch cache, and its encoder output (and mask) at
+        the engine's encoder length."""
+        started = time.perf_counter()
         kwargs = first_sequence(joining.model_kwargs, joining.beams)
         for stale in ("cache", "past_key_values"):
             kwargs.pop(stale, None)
@@ -404,7 +391,10 @@ class Batch:
                 kwargs, width=self.encoder_length, rows=len(self.slots), step_inputs=self.step_inputs,
                 masked=self.names.positions is None,  # Whisper's (position ids) has no padding to mask
             )  # fmt: skip
-        return self.prefill(joining.input_ids[:1], joining.config, kwargs), encoder
+        logits = self.prefill(joining.input_ids[:1], joining.config, kwargs)
+        self.prefill_seconds += time.perf_counter() - started
+        self.prefills += 1
+        return Prefilled(logits, self.writes, 0, 0), encoder
 
     def _roll(self, shift: int) -> None:
         """Move every row's content `shift` slots along the cache (all rows alike, distances kept)."""

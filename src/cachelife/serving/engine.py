@@ -36,14 +36,12 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError, RequestTimeoutError
 from cachelife.generation.api import check_generator, check_model, with_stop_string_criteria
-from cachelife.generation.arguments import (
-    merged_config,
-)
+from cachelife.generation.arguments import merged_config
 from cachelife.generation.steps import CudaGraphs, LoopSettings
 from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
-from cachelife.serving.joint_prefill import joint_groups
+from cachelife.serving.joint_prefill import Prefilled, joint_groups
 from cachelife.serving.preparation import candidate, prepared_joining
 from cachelife.serving.requests import (
     Joining,
@@ -69,8 +67,7 @@ class EngineStats:
     seconds spent so far admitting newcomers (prefill, placement, first token) and running steps (calls of the
     step, hand-backs). Of those, `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to
     reading the rows' lengths and end flags after each call of the step (which waits for the device to finish
-    it) and handing tokens over. `prefills` counts the forwards over newcomers' prompts: newcomers that join
-    at one boundary share one (`joint_prefill`) where they can."""
+    it) and handing tokens over. `prefills` counts the forwards over newcomers' prompts (`joint_prefill`)."""
 
     decoding: int
     waiting: int
@@ -395,10 +392,10 @@ class Engine:
         try:
             for group in joint_groups([joining for joining, _ in chosen], self._batch.joint):
                 prefilled = self._batch.prefill_jointly(group) if len(group) > 1 else None
-                for index in range(len(group)):
+                owns: list[Prefilled | None] = [*prefilled] if prefilled else [None] * len(group)
+                for own in owns:
                     joining, admission = chosen[joined]
                     joins = self._batch.joins
-                    own = None if prefilled is None else prefilled[index]
                     self._batch.join(joining, admission.first, admission.placement, own)
                     if self._batch.joins == joins:
                         return False

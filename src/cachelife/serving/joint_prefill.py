@@ -18,6 +18,7 @@ otherwise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -31,6 +32,8 @@ from cachelife.generation.steps import LoopSettings
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining
 from cachelife.serving.row_writes import RowWrites
+
+logger = logging.getLogger(__name__)
 
 MOST_ROWS: Final = 8
 """The largest group one forward prefills; more newcomers at one boundary take several forwards."""
@@ -103,6 +106,15 @@ class JointPrefill:
             and getattr(joining.config, "prefill_chunk_size", None) is None
             and kwargs.get("use_cache", True) is True
         )
+
+    def or_none(self, joinings: Sequence[Joining]) -> list[Prefilled] | None:
+        """The joint prefill, or None (logged) if it failed: each newcomer is then prefilled alone."""
+        try:
+            return self(joinings)
+        except Exception:
+            logger.warning("cachelife.Engine: a joint prefill of %d newcomers failed; each is prefilled alone",
+                           len(joinings), exc_info=True)  # fmt: skip
+            return None
 
     def __call__(self, joinings: Sequence[Joining]) -> list[Prefilled]:
         """One forward over the newcomers' prompts (2 to `most` of them, each `takes`); each one's prefill."""
