@@ -572,6 +572,9 @@ def main() -> int:
             thread.join()
         write_summary()
     for version, result in summary.get("tests", {}).items():
+        if not isinstance(result, dict):  # {"not_run": why}: no version ran
+            print(f"tests: {version}: {result}")
+            continue
         counts: dict[str, int] = {}
         for status in result["tests"].values():
             counts[status] = counts.get(status, 0) + 1
