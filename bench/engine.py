@@ -2,7 +2,7 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,engine_one_prefill,engine_eager_prefill,engine_cudnn,sequential,...]
+                           [--paths engine,engine_sdpa,engine_one_prefill,engine_eager_prefill,sequential,...]
                            [--num-beams 1] [--ttft] [--verdicts 8]
                            [--switch-interval SECONDS] [--out DIR]
 
@@ -20,6 +20,8 @@ random features) are served, per path:
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
+- `engine_sdpa`: `engine` with the model's own attention (`Engine(attention="model")`: SDPA over the whole cache
+  for every row) where `engine` takes cachelife's decode attention kernel on a GPU (`cachelife.serving.step_attention`);
 - `engine_cudnn`: `engine` with its steps allowed torch's cuDNN attention (as before they kept to attention that
   repeats exactly: the cost of repeatable attention);
 - `engine_sampling_one` and `engine_sampling_mixed`: `engine` with every request sampling (seeded), all with one
@@ -253,16 +255,18 @@ def eager_prefills() -> Iterator[None]:
 
 def engine_runs(
     out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
-    new: int, label: str = "engine", judge_tokens: bool = True,
+    new: int, label: str = "engine", judge_tokens: bool = True, attention: str = "auto",
 ) -> None:  # fmt: skip
     """One engine, warmed up, then every request from each `--clients` count of client threads."""
     longest = int(args.new_tokens.split(",")[1])
     prompts = [int(r["input_ids"].shape[1]) for r in requests if "input_ids" in r]
     options = {"rows": args.rows, "max_length": max(prompts, default=8) + longest + 8,
-               "queue_size": max(64, args.requests), "steps_per_call": args.steps_per_call}  # fmt: skip
+               "queue_size": max(64, args.requests), "steps_per_call": args.steps_per_call,
+               "attention": attention}  # fmt: skip
     if args.profile_scheduler:
         profile_scheduler(args.profile_scheduler)
     with cachelife.Engine(model, **options) as engine:
+        implementation = model.config._attn_implementation  # what the engine's rows decode with
         # Warm-up: compile, capture, every prompt shape once. Its tokens are what every later run must repeat.
         _, _, first, _ = with_engine(engine, requests, args.rows, device=model.device)
         verdicts = judged(model, requests, first, args.verdicts if judge_tokens else 0)
@@ -276,6 +280,7 @@ def engine_runs(
                     for got, want in zip(outputs, reference or outputs, strict=True)]  # fmt: skip
             repeated = all(torch.equal(got, want) for got, want in zip(outputs, first, strict=True))
             out.add({**summary(f"{label}_c{clients}", wall, latencies, new, firsts), "clients": clients,
+                     "attention": implementation,
                      "same_tokens_as_warm_up": repeated, **verdicts,
                      **({"equal_to_sequential": all(same), "requests_equal": sum(same)} if reference else {}),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
@@ -380,7 +385,7 @@ def main() -> int:
     # As the docs ask of every user: without it, each sequential call gets new cache addresses and captures a
     # new CUDA graph. The engine keeps caches of its own either way.
     cachelife.enable(model)
-    if {"sequential", "engine", "engine_eager_prefill"} & set(paths):
+    if {"sequential", "engine", "engine_sdpa", "engine_eager_prefill"} & set(paths):
 
         def ours(request: Request) -> torch.Tensor:
             return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))
@@ -388,13 +393,14 @@ def main() -> int:
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
-        if path in ("engine", "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
+        if path in ("engine", "engine_sdpa", "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
             label = path if path not in paths[:index] else f"{path}_again"
             instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
                           "engine_one_prefill": one_prefill_each}  # fmt: skip
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)
             with instrument.get(path, contextlib.nullcontext)():
-                engine_runs(out, model, requests, args, reference=reference, new=new, label=label)
+                engine_runs(out, model, requests, args, reference=reference, new=new, label=label,
+                            attention="model" if path == "engine_sdpa" else "auto")
         if path in ("engine_sampling_one", "engine_sampling_mixed"):
             sampled = sampling_requests(requests, mixed=path.endswith("mixed"))
             engine_runs(out, model, sampled, args, reference=None, new=new, label=path, judge_tokens=False)

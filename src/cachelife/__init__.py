@@ -75,7 +75,8 @@ from cachelife.integration.warm_start import (
     save_compile_artifacts,
 )
 from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
-from cachelife.serving.engine import Engine, EngineStats
+from cachelife.serving.engine import Engine
+from cachelife.serving.stats import EngineStats
 from cachelife.version import __version__
 
 __all__ = [

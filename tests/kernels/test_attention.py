@@ -32,11 +32,11 @@ import cachelife
 from cachelife.errors import CacheShapeError, InvalidArgumentError, UnsupportedGenerationError
 from cachelife.kernels.attention import (
     MAX_SPLITS,
-    combine_kernel,
+    attention_combine_kernel,
+    attention_split_kernel,
     decode_attention,
     plan_splits,
     reference_decode_attention,
-    split_kernel,
 )
 from cachelife.kernels.attention_implementation import (
     ATTENTION,
@@ -242,9 +242,9 @@ def compile_kernels() -> None:
         constants = {"GROUP": group, "KEY_DIM": 64, "VALUE_DIM": 64, **blocks, "MASK": mask, "FINAL": final}
         pointers = dict.fromkeys(("query", "key", "value", "out"), f"*{dtype}") | partials
         pointers["mask"] = "*u8" if mask == 1 else f"*{dtype}"
-        compile_kernel(compiler, jit(split_kernel), target, constants, pointers)
+        compile_kernel(compiler, jit(attention_split_kernel), target, constants, pointers)
     constants = {"VALUE_DIM": 64, "BLOCK_S": 8, "BLOCK_DV": 64}
-    compile_kernel(compiler, jit(combine_kernel), target, constants, {**partials, "out": "*bf16"})
+    compile_kernel(compiler, jit(attention_combine_kernel), target, constants, {**partials, "out": "*bf16"})
 
 
 def compile_kernel(

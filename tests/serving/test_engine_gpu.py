@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cachelife
+from cachelife.kernels.attention_implementation import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 
@@ -148,3 +149,22 @@ def test_newcomers_of_one_boundary_share_one_prefill_under_graphs_and_equal_gene
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(result, expected), index
         assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("llama-small", {}), ("whisper-small", {}), ("t5", {"encoder_length": 24})]
+)
+def test_on_the_gpu_the_rows_decode_with_the_decode_kernel_and_equal_generate(
+    name: str, options: dict[str, Any]
+) -> None:
+    """The engine's default attention on CUDA (`step_attention`): cachelife's decode kernel while it serves, the
+    model's SDPA back after; tokens equal `model.generate`'s (on SDPA)."""
+    built = zoo.build(name, device="cuda")
+    requests = requests_of(built, 6, sampling=False)
+    expected = [zoo.generate_tokens(built.model, request) for request in requests]
+    with Engine(built.model, rows=4, max_length=48, **options) as engine:
+        assert built.model.config._attn_implementation == ATTENTION
+        results = [future.result(timeout=600) for future in [engine.submit(**request) for request in requests]]
+    assert built.model.config._attn_implementation == "sdpa"
+    for index, (result, tokens) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(result, tokens), index

@@ -51,7 +51,7 @@ _BOOL_MASK: Final = 1
 _ADDED_MASK: Final = 2
 
 
-def split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
+def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
     query: Pointer, key: Pointer, value: Pointer, mask: Pointer, out: Pointer,
     part_acc: Pointer, part_max: Pointer, part_sum: Pointer,
     scale: Scalar, heads: Scalar, positions: Scalar, split_size: Scalar, splits: Scalar,
@@ -122,7 +122,7 @@ def split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every pointer, siz
         tl.store(part_acc + part[:, None] * VALUE_DIM + dv[None, :], acc, mask=out_in)
 
 
-def combine_kernel(  # noqa: PLR0917 (a Triton kernel, as above)
+def attention_combine_kernel(  # noqa: PLR0917 (a Triton kernel, as above)
     part_acc: Pointer, part_max: Pointer, part_sum: Pointer, out: Pointer,
     heads: Scalar, splits: Scalar, o_sb: Scalar, o_sh: Scalar, o_sd: Scalar,
     VALUE_DIM: constexpr, BLOCK_S: constexpr, BLOCK_DV: constexpr,
@@ -146,7 +146,7 @@ def combine_kernel(  # noqa: PLR0917 (a Triton kernel, as above)
 @functools.cache
 def _jitted() -> tuple[Any, Any]:
     """The two kernels, jitted on first use (after the process set TRITON_INTERPRET, if it does)."""
-    return triton.jit(split_kernel), triton.jit(combine_kernel)
+    return triton.jit(attention_split_kernel), triton.jit(attention_combine_kernel)
 
 
 @frozen

@@ -29,7 +29,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from attrs import frozen
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -53,35 +52,12 @@ from cachelife.serving.requests import (
     resolve,
     wait_for,
 )
+from cachelife.serving.stats import EngineStats
+from cachelife.serving.step_attention import StepAttention, check_attention, switch_attention
 from cachelife.serving.streaming import tokens_as_they_come
 from cachelife.validate import check_bool, check_choice, check_int
 
 logger = logging.getLogger(__name__)
-
-
-@frozen
-class EngineStats:
-    """A snapshot: requests decoding (a beam request holds a group of rows), prepared requests waiting for
-    rows, requests held (submitted, not done), steps run, the cache's write slot, how often the rows' content
-    was moved to make room, requests that joined, the programs the batch keeps, and the scheduler's wall
-    seconds spent so far admitting newcomers (prefill, placement, first token) and running steps (calls of the
-    step, hand-backs). Of those, `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to
-    reading the rows' lengths and end flags after each call of the step (which waits for the device to finish
-    it) and handing tokens over. `prefills` counts the forwards over newcomers' prompts (`joint_prefill`)."""
-
-    decoding: int
-    waiting: int
-    held: int
-    steps: int
-    slot: int
-    moves: int
-    joins: int
-    join_seconds: float
-    step_seconds: float
-    prefill_seconds: float
-    collect_seconds: float
-    programs: int  # programs the batch keeps (the per-row pipeline's variants and programs of their own)
-    prefills: int
 
 
 class Engine:
@@ -90,8 +66,10 @@ class Engine:
     `rows` sequences decode at once; `max_length` bounds each request's prompt plus new tokens; `queue_size`
     requests may wait beyond the rows; `prepare_ahead` requests run their encoder and preparation while
     the rows are full; `encoder_length` (encoder-decoder models but Whisper, whose encoder length is fixed)
-    is the longest encoder output a request may have; `timeout` (seconds) is every request's default.
-    `steps_per_call`, `compile_step` and `cuda_graphs` are `cachelife.generate`'s."""
+    is the longest encoder output a request may have; `timeout` (seconds) is every request's default;
+    `attention` is the attention the rows decode with (`step_attention`: by default cachelife's decode kernel
+    where Triton runs, which reads only the slots a row attends). `steps_per_call`, `compile_step` and
+    `cuda_graphs` are `cachelife.generate`'s."""
 
     def __init__(
         self,
@@ -106,6 +84,7 @@ class Engine:
         cuda_graphs: CudaGraphs = "cachelife",
         encoder_length: int | None = None,
         timeout: float | None = None,
+        attention: StepAttention = "auto",
     ) -> None:
         check_model(model)
         for name, value in (("rows", rows), ("max_length", max_length), ("steps_per_call", steps_per_call)):
@@ -115,11 +94,17 @@ class Engine:
         check_bool("compile_step", compile_step)
         check_choice("cuda_graphs", cuda_graphs, ("cachelife", "torch"))
         check_timeout(timeout)
+        attention = check_attention(attention)
         self._model, self._timeout = model, timeout
         settings = LoopSettings(steps_per_call, 1, compile_step, False, None, cuda_graphs)
-        with torch.no_grad():
-            self._batch = Batch(model, rows=rows, max_length=max_length, settings=settings,
-                                encoder_length=encoder_length)  # fmt: skip
+        self._attention = switch_attention(model, attention)  # before the step compiles
+        try:
+            with torch.no_grad():
+                self._batch = Batch(model, rows=rows, max_length=max_length, settings=settings,
+                                    encoder_length=encoder_length)  # fmt: skip
+        except BaseException:
+            self._restore_attention()
+            raise
         self._numbers = itertools.count()
         self._capacity = rows + queue_size
         self._held = 0
@@ -320,6 +305,13 @@ class Engine:
         except BaseException as error:  # the scheduler itself failed: nothing would serve the held requests
             logger.exception("cachelife.Engine: the scheduler failed; the engine closes")
             self._fail_engine(error)
+        finally:  # no step runs after this one
+            self._restore_attention()
+
+    def _restore_attention(self) -> None:
+        if self._attention is not None:
+            self._attention.restore()
+            self._attention = None
 
     def _fail_engine(self, cause: BaseException) -> None:
         """Close the engine for `cause`: new submits are refused, and every request it holds fails with an
