@@ -1,18 +1,18 @@
 """The engine's batch: its pinned caches, its rows and their slots, run by the scheduler thread alone.
 
-`join` writes a newcomer's prompt into a free row at a step boundary: the prefill (`prefill`) runs on a pinned
-scratch cache of one row, whose keys and values are copied into the row so that the prompt ends just before
-the batch's write slot (`window`), its encoder keys and values whole; the first token is picked as
-`cachelife.generate` picks it. A beam request takes a group of neighbouring rows, one per beam, each given the
-same prefill, and starts its search from the prefill's logits (`beam_groups`). `advance` runs one call of the
-program's step for every row, `collect` hands back the requests that ended. The slots' states are `slots`'
-table; the device buffers are `rows`' (and a beam program's state, `beam_groups`').
+`join` writes a newcomer's prompt into a free row at a step boundary: the prefill (`prefill`, or with its
+neighbours `joint_prefill`) runs on a pinned scratch cache, whose keys and values are copied into the row so
+that the prompt ends just before the batch's write slot (`window`), its encoder keys and values whole; the
+first token is picked as `cachelife.generate` picks it. A beam request takes a group of neighbouring rows, one
+per beam, each given the same prefill, and starts its search from the prefill's logits (`beam_groups`).
+`advance` runs one call of the program's step for every row (each program's step built by `batch_steps`),
+`collect` hands back the requests that ended. The slots' states are `slots`' table; the device buffers are
+`rows`' (and a beam program's state, `beam_groups`').
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,11 +21,11 @@ from transformers import PreTrainedModel
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
-from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, special_tokens
-from cachelife.generation.beams import BeamState, buffer_width
-from cachelife.generation.steps import LoopSettings, stepper
+from cachelife.generation.beams import buffer_width
+from cachelife.generation.steps import LoopSettings
 from cachelife.serving.admission import BatchView
-from cachelife.serving.beam_groups import BeamProgram, build_beam_program, engine_beam_steps, group_output, start_group
+from cachelife.serving.batch_steps import BatchSteps
+from cachelife.serving.beam_groups import BeamProgram, group_output, start_group
 from cachelife.serving.encoder_rows import EncoderRow, padded_encoder_row, write_encoder_row
 from cachelife.serving.joint_prefill import JointPrefill, Prefilled, group_sizes
 from cachelife.serving.model_facts import (
@@ -45,9 +45,7 @@ from cachelife.serving.rows import (
     PER_ROW,
     Program,
     Rows,
-    build_program,
     choose_first,
-    engine_steps,
     per_row_program,
     row_values,
 )
@@ -105,6 +103,10 @@ class Batch:
         self.noise = tuple(torch.ones(rows, self.vocab, device=device) for _ in range(settings.steps_per_call))
         for buffer in self.noise:
             torch._dynamo.mark_static_address(buffer)
+        self.batch_steps = BatchSteps(
+            model=model, rows=self.rows, noise=self.noise, step_inputs=self.step_inputs, names=self.names,
+            settings=settings, cache=self.cache, row_count=rows,
+        )  # fmt: skip
         self.slots = [Slot(row) for row in range(rows)]
         self.seats: dict[int, _Seat] = {}
         self.programs = Programs()
@@ -319,63 +321,15 @@ class Batch:
         key: tuple[object, ...] = (PER_ROW, sampling)
         if self.programs.get(key) is None:
             program = per_row_program(self.row_settings, sampling=sampling)
-            self.programs.add(key, (program, self._stepper(program)), running=None)
+            self.programs.add(key, (program, self.batch_steps.stepper(program)), running=None)
         return self.programs[key][0]  # type: ignore[return-value]  # a per-row key holds a Program
 
     def _program_for(self, joining: Joining) -> Program | BeamProgram:
         found = self.programs.get(joining.key)
         if found is None:
-            config = joining.config
-            pad = special_tokens(config, "_pad_token_tensor")
-            if joining.beams > 1:
-                found = self._beam_program(joining)
-            else:
-                program = build_program(
-                    joining.converted, joining.key, rows=len(self.slots), do_sample=bool(config.do_sample),
-                    eos=eos_ids(config), pad=0 if pad is None else int(pad),
-                )  # fmt: skip
-                found = (program, self._stepper(program))
+            found = self.batch_steps.own(joining, self.beam_states)
             self.programs.add(joining.key, found, running=None if self.program is None else self.program.key)
         return found[0]
-
-    def _beam_program(self, joining: Joining) -> tuple[BeamProgram, Callable[[], int]]:
-        config, device = joining.config, self.model.device
-        program = build_beam_program(
-            joining.converted, joining.key, rows=len(self.slots), beams=joining.beams, eos=eos_ids(config),
-            fill=beam_fill(config), width=self.rows.tokens.shape[1], early_stopping=early_stopping(config),
-            length_penalty=float_field(config, "length_penalty"), do_sample=bool(config.do_sample), device=device,
-        )  # fmt: skip
-        state = BeamState.allocate(program.plan, device)
-        self.beam_states[joining.key] = state
-        layers = lifecycle(self.cache).self_attention
-        self_attention = [layer.layer for layer in layers]
-
-        def arguments(index: int, steps: int, settings: Any) -> dict[str, Any]:
-            return {
-                "model": self.model, "rows": self.rows, "state": state, "noise": self.noise[index : index + steps],
-                "program": settings, "step_inputs": self.step_inputs, "steps": steps, "names": self.names,
-                "self_attention": self_attention,
-            }  # fmt: skip
-
-        advance = stepper(
-            self.model, "engine beams", engine_beam_steps, arguments,
-            in_place=(self.model, self.rows, state, self.noise, self.step_inputs, self_attention), read_only=program,
-            settings=self.settings, fixed_buffers=True, live_settings=True,
-        )  # fmt: skip
-        return program, advance
-
-    def _stepper(self, program: Program) -> Callable[[], int]:
-        def arguments(index: int, steps: int, settings: Any) -> dict[str, Any]:
-            return {
-                "model": self.model, "rows": self.rows, "noise": self.noise[index : index + steps],
-                "program": settings, "step_inputs": self.step_inputs, "steps": steps, "names": self.names,
-            }  # fmt: skip
-
-        return stepper(
-            self.model, "engine", engine_steps, arguments,
-            in_place=(self.model, self.rows, self.noise, self.step_inputs), read_only=program,
-            settings=self.settings, fixed_buffers=True, live_settings=True,  # joins write the program's rows
-        )  # fmt: skip
 
     def _prefill(self, joining: Joining) -> tuple[Prefilled, EncoderRow | None]:
         """The newcomer's prompt through the prefill on the scratch cache, and its encoder output (and mask) at
