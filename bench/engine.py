@@ -2,7 +2,7 @@
 
     python -m bench.engine [--device auto] [--model whisper-large-v3|llama-3.2-1b|...] [--dtype bfloat16]
                            [--clients 1,4,16,64] [--requests 64] [--rows 16] [--new-tokens 16,64]
-                           [--paths engine,engine_sdpa,engine_one_prefill,engine_eager_prefill,sequential,...]
+                           [--paths engine,engine_decode,engine_one_prefill,engine_eager_prefill,sequential,...]
                            [--num-beams 1] [--ttft] [--verdicts 8]
                            [--switch-interval SECONDS] [--out DIR]
 
@@ -20,8 +20,9 @@ random features) are served, per path:
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
-- `engine_sdpa`: `engine` with the model's own attention (`Engine(attention="model")`: SDPA over the whole cache
-  for every row) where `engine` takes cachelife's decode attention kernel on a GPU (`cachelife.serving.step_attention`);
+- `engine_decode`: `engine` with cachelife's decode attention kernel in the rows (`Engine(attention="decode")`,
+  `cachelife.serving.step_attention`: each row reads the slots it attends), where `engine` keeps the model's own
+  attention (SDPA over the whole cache for every row);
 - `engine_cudnn`: `engine` with its steps allowed torch's cuDNN attention (as before they kept to attention that
   repeats exactly: the cost of repeatable attention);
 - `engine_sampling_one` and `engine_sampling_mixed`: `engine` with every request sampling (seeded), all with one
@@ -255,7 +256,7 @@ def eager_prefills() -> Iterator[None]:
 
 def engine_runs(
     out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
-    new: int, label: str = "engine", judge_tokens: bool = True, attention: str = "auto",
+    new: int, label: str = "engine", judge_tokens: bool = True, attention: str = "model",
 ) -> None:  # fmt: skip
     """One engine, warmed up, then every request from each `--clients` count of client threads."""
     longest = int(args.new_tokens.split(",")[1])
@@ -385,7 +386,7 @@ def main() -> int:
     # As the docs ask of every user: without it, each sequential call gets new cache addresses and captures a
     # new CUDA graph. The engine keeps caches of its own either way.
     cachelife.enable(model)
-    if {"sequential", "engine", "engine_sdpa", "engine_eager_prefill"} & set(paths):
+    if {"sequential", "engine", "engine_decode", "engine_eager_prefill"} & set(paths):
 
         def ours(request: Request) -> torch.Tensor:
             return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))
@@ -393,14 +394,22 @@ def main() -> int:
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
-        if path in ("engine", "engine_sdpa", "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
+        if path in ("engine", "engine_decode", "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
             label = path if path not in paths[:index] else f"{path}_again"
             instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
                           "engine_one_prefill": one_prefill_each}  # fmt: skip
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)
             with instrument.get(path, contextlib.nullcontext)():
-                engine_runs(out, model, requests, args, reference=reference, new=new, label=label,
-                            attention="model" if path == "engine_sdpa" else "auto")
+                engine_runs(
+                    out,
+                    model,
+                    requests,
+                    args,
+                    reference=reference,
+                    new=new,
+                    label=label,
+                    attention="decode" if path == "engine_decode" else "model",
+                )
         if path in ("engine_sampling_one", "engine_sampling_mixed"):
             sampled = sampling_requests(requests, mixed=path.endswith("mixed"))
             engine_runs(out, model, sampled, args, reference=None, new=new, label=path, judge_tokens=False)

@@ -364,11 +364,11 @@ _ENTRIES = (
     Benchmark(
         "engine-llama-throughput", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine_sdpa,engine",
+         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine,engine_decode",
          "--verdicts", "4"),
         "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy: 64 requests of 16-128 prompt tokens "
         "and 128 new tokens from 16 and 64 clients (issue 33's shape), the rows on the model's SDPA against "
-        "cachelife's decode attention (the engine's default on a GPU), with the scheduler's time split and the "
+        "cachelife's decode attention kernel (attention='decode'), with the scheduler's time split and the "
         "verdict against transformers",
         "cuda", "engine-llama-3.2-1b-cuda-*.json",
     ),

@@ -1,6 +1,7 @@
 """`Engine(attention=...)`: the rows decode with cachelife's decode attention kernel (here the op's torch
 fallback, or Triton's interpreter under `TRITON_INTERPRET=1`) with `model.generate`'s tokens, the model's own
-implementation comes back when the engine closes, and "auto" leaves a model alone off the GPU.
+implementation comes back when the engine closes, and "auto" leaves a model alone off the GPU and the
+default ("model") everywhere.
 
 The token test counts the kernel's calls from the eager step, so that equality tests the kernel and not its
 absence."""
@@ -64,7 +65,7 @@ def test_auto_keeps_the_models_attention_off_the_gpu() -> None:
     """On the CPU, with or without Triton's interpreter (the tests' kernels run in it)."""
     model = zoo.build("llama").model
     before = implementations(model)
-    with Engine(model, rows=1, max_length=16, compile_step=False) as engine:
+    with Engine(model, rows=1, max_length=16, compile_step=False, attention="auto") as engine:
         assert implementations(model) == before
         engine.submit(**zoo.build("llama").inputs(1, 3, 0), max_new_tokens=2).result(timeout=300)
     assert ATTENTION not in before
@@ -73,11 +74,13 @@ def test_auto_keeps_the_models_attention_off_the_gpu() -> None:
 def test_auto_takes_the_kernel_where_triton_runs_on_a_gpu_and_only_over_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("cachelife.serving.step_attention.triton_on_gpu", lambda device: True)
     model = zoo.build("llama").model
-    with Engine(model, rows=1, max_length=16, compile_step=False):
+    with Engine(model, rows=1, max_length=16, compile_step=False, attention="auto"):
         assert implementations(model) == {ATTENTION}
     assert implementations(model) == {"sdpa"}
+    with Engine(model, rows=1, max_length=16, compile_step=False):  # the default keeps the model's
+        assert implementations(model) == {"sdpa"}
     model.set_attn_implementation("eager")
-    with Engine(model, rows=1, max_length=16, compile_step=False):
+    with Engine(model, rows=1, max_length=16, compile_step=False, attention="auto"):
         assert implementations(model) == {"eager"}
 
 

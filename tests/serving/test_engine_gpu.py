@@ -157,12 +157,13 @@ def test_newcomers_of_one_boundary_share_one_prefill_under_graphs_and_equal_gene
 def test_on_the_gpu_the_rows_decode_with_the_decode_kernel_and_equal_generate(
     name: str, options: dict[str, Any]
 ) -> None:
-    """The engine's default attention on CUDA (`step_attention`): cachelife's decode kernel while it serves, the
-    model's SDPA back after; tokens equal `model.generate`'s (on SDPA)."""
+    """`attention="auto"` on CUDA (`step_attention`): cachelife's decode kernel while the engine serves, the
+    model's SDPA back after; tokens equal `model.generate`'s (on SDPA). The test that "auto" waits on to become
+    the engine's default."""
     built = zoo.build(name, device="cuda")
     requests = requests_of(built, 6, sampling=False)
     expected = [zoo.generate_tokens(built.model, request) for request in requests]
-    with Engine(built.model, rows=4, max_length=48, **options) as engine:
+    with Engine(built.model, rows=4, max_length=48, attention="auto", **options) as engine:
         assert built.model.config._attn_implementation == ATTENTION
         results = [future.result(timeout=600) for future in [engine.submit(**request) for request in requests]]
     assert built.model.config._attn_implementation == "sdpa"
