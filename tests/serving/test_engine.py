@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel
-from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.errors import (
@@ -30,6 +29,7 @@ from cachelife.serving import prefill as prefill_module
 from cachelife.serving.engine import Engine
 from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
+from cachelife.tools.recording import RecordingStreamer
 
 
 def build(name: str) -> zoo.ZooModel:
@@ -190,37 +190,20 @@ def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel
         assert torch.equal(result, expected)
 
 
-class Recording(BaseStreamer):
-    """A streamer that keeps what it is given, and calls `on_put` with each value."""
-
-    def __init__(self, on_put: Any = None) -> None:
-        self.values: list[torch.Tensor] = []
-        self.ended = 0
-        self.on_put = on_put
-
-    def put(self, value: torch.Tensor) -> None:
-        self.values.append(value.clone())
-        if self.on_put is not None:
-            self.on_put(len(self.values))
-
-    def end(self) -> None:
-        self.ended += 1
-
-
 @pytest.mark.parametrize("name", ["llama", "whisper"])
 def test_streamers_get_what_generate_gives_them(name: str) -> None:
     # The prompt first (transformers' generate puts it), then one tensor per new token, then one end():
     # what cachelife.generate (and model.generate) give a streamer for the same request alone.
     built = build(name)
     requests = [{**request, "max_new_tokens": 4 + 3 * index} for index, request in enumerate(requests_of(built, 4))]
-    streamers = [Recording() for _ in requests]
+    streamers = [RecordingStreamer() for _ in requests]
     with Engine(built.model, rows=2, max_length=40, compile_step=False) as engine:
         futures = [engine.submit(**request, streamer=one) for request, one in zip(requests, streamers, strict=True)]
         results = [future.result(timeout=120) for future in futures]
     for request, streamer, result in zip(requests, streamers, results, strict=True):
-        expected = Recording()
+        expected = RecordingStreamer()
         alone(built.model, **request, streamer=expected)
-        assert streamer.ended == expected.ended == 1
+        assert streamer.ends == expected.ends == 1
         assert len(streamer.values) == len(expected.values)
         for got, want in zip(streamer.values, expected.values, strict=True):
             assert torch.equal(got, want)
@@ -254,7 +237,7 @@ def test_a_streamer_slower_than_its_row_gets_its_own_tokens_after_the_row_is_reu
 
     first = {**llama.inputs(1, 4, 0), "max_new_tokens": 6}
     second = {**llama.inputs(1, 7, 1), "max_new_tokens": 9}
-    streamer = Recording(hold)
+    streamer = RecordingStreamer(hold)
     with Engine(llama.model, rows=1, max_length=40, compile_step=False) as engine:
         first_future = engine.submit(**first, streamer=streamer)
         second_future = engine.submit(**second)
@@ -276,7 +259,7 @@ def test_new_tokens_reach_the_streamer_while_the_row_decodes(llama: zoo.ZooModel
 
     with engine:
         request = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200}
-        engine.submit(**request, streamer=Recording(on_put)).result(timeout=120)
+        engine.submit(**request, streamer=RecordingStreamer(on_put)).result(timeout=120)
     assert decoding_at_first_new_token == [1]
 
 
@@ -288,7 +271,7 @@ def test_a_failing_streamer_fails_its_request_alone(llama: zoo.ZooModel) -> None
     steady = {**llama.inputs(1, 5, 1), "max_new_tokens": 12}
     with Engine(llama.model, rows=2, max_length=64, compile_step=False) as engine:
         failing = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=30, min_new_tokens=30,
-                                streamer=Recording(fail))  # fmt: skip
+                                streamer=RecordingStreamer(fail))  # fmt: skip
         other = engine.submit(**steady)
         with pytest.raises(RuntimeError, match="the client went away"):
             failing.result(timeout=120)
@@ -333,7 +316,7 @@ def test_async_streams_yield_the_new_tokens_as_they_come(name: str) -> None:
     with Engine(built.model, rows=2, max_length=40, compile_step=False) as engine:
         streamed = asyncio.run(main(engine))
     for request, tokens in zip(requests, streamed, strict=True):
-        expected = Recording()
+        expected = RecordingStreamer()
         alone(built.model, **request, streamer=expected)
         assert tokens == [int(value) for value in torch.cat(expected.values[1:])]
 
@@ -359,7 +342,7 @@ def test_leaving_a_stream_early_cancels_its_request(llama: zoo.ZooModel) -> None
         assert len(asyncio.run(first_three_then_wait(engine))) == 3
         assert engine.stats().steps < 150  # the row left long before its 200 tokens
         with pytest.raises(InvalidArgumentError, match="brings its own streamer"):
-            engine.stream(**long, streamer=Recording())
+            engine.stream(**long, streamer=RecordingStreamer())
 
 
 def test_a_failing_request_fails_alone(llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 import cachelife
 from cachelife.errors import InvalidArgumentError
@@ -18,6 +17,7 @@ from cachelife.generation.beams import BeamPlan, BeamState, beam_step
 from cachelife.serving.beam_groups import build_beam_program, start_group
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
+from cachelife.tools.recording import RecordingStreamer
 
 
 def build(name: str) -> zoo.ZooModel:
@@ -188,13 +188,5 @@ def test_streamed_beam_requests_are_refused_before_any_work() -> None:
         with pytest.raises(InvalidArgumentError, match="num_beams=2"):
             engine.stream(**request)
         with pytest.raises(InvalidArgumentError, match="streams no tokens"):
-            engine.submit(**request, streamer=Recording())
+            engine.submit(**request, streamer=RecordingStreamer())
         assert engine.stats().held == 0
-
-
-class Recording(BaseStreamer):
-    def put(self, value: torch.Tensor) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
