@@ -355,7 +355,15 @@ def test_a_failing_request_fails_alone(llama: zoo.ZooModel, monkeypatch: pytest.
             raise IndexError("index out of range in self")
         return prefill(self, input_ids, *args)
 
+    joint = prefill_module.Prefill.joint
+
+    def joint_failing_with_the_bad_one(self: Any, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        if input_ids.shape[1] == 13:  # the bad prompt is the longest of a joint prefill: it fails, each goes alone
+            raise IndexError("index out of range in self")
+        return joint(self, input_ids, *args)
+
     monkeypatch.setattr(prefill_module.Prefill, "__call__", failing_for_the_bad_one)
+    monkeypatch.setattr(prefill_module.Prefill, "joint", joint_failing_with_the_bad_one)
     with Engine(llama.model, rows=2, max_length=40, compile_step=False) as engine:
         futures = [engine.submit(**good[0]), engine.submit(**bad), engine.submit(**good[1]), engine.submit(**good[2])]
         with pytest.raises(IndexError):
