@@ -22,6 +22,7 @@ Writes `<out>/engine-step-<model>-<device>-<date>-tf<version>.json`. A benchmark
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -76,6 +77,8 @@ def option_sets(text: str) -> list[tuple[str, ...]]:
     return sets
 
 
+# Whisper's longest decoder prompt: start of transcript, language, task, no timestamps.
+WHISPER_DECODER_PROMPT = 4
 LEVERS = ("fuse_projections", "decode_attention", "small_linear", "compile_regions")
 
 
@@ -92,16 +95,33 @@ def enabled(model: Any, options: tuple[str, ...]) -> Iterator[None]:
         disable(model)
 
 
-def measure(model: Any, rows: int, args: Any) -> dict[str, Any]:
-    vocab = int(model.config.vocab_size)
-    new = args.max_length - args.prompt - 1
+def step_requests(model: Any, rows: int, args: Any) -> list[dict[str, Any]]:
+    """`rows` requests that each decode to the end of the cache: prompts of `--prompt` tokens for a decoder-only
+    model, random audio features (English, so one decoder prompt) for Whisper."""
     generator = torch.Generator().manual_seed(rows)
-    with Engine(model, rows=rows, max_length=args.max_length, queue_size=0) as engine:
-        prompts = [torch.randint(4, vocab, (1, args.prompt), generator=generator) for _ in range(rows)]
-        futures = [
-            engine.submit(input_ids=prompt.to(model.device), max_new_tokens=new, min_new_tokens=new)
-            for prompt in prompts
-        ]
+    if model.config.model_type == "whisper":
+        new = args.max_length - WHISPER_DECODER_PROMPT
+        frames = 2 * model.config.max_source_positions
+        shape = (1, model.config.num_mel_bins, frames)
+        language = {"language": "en"} if getattr(model.generation_config, "lang_to_id", None) else {}
+        return [
+            {"input_features": torch.randn(shape, generator=generator).to(model.device, model.dtype),
+             **language, "max_new_tokens": new, "min_new_tokens": new}
+            for _ in range(rows)
+        ]  # fmt: skip
+    new = args.max_length - args.prompt - 1
+    vocab = int(model.config.vocab_size)
+    return [
+        {"input_ids": torch.randint(4, vocab, (1, args.prompt), generator=generator).to(model.device),
+         "max_new_tokens": new, "min_new_tokens": new}
+        for _ in range(rows)
+    ]  # fmt: skip
+
+
+def measure(model: Any, rows: int, attention: str, args: Any) -> dict[str, Any]:
+    requests = step_requests(model, rows, args)
+    with Engine(model, rows=rows, max_length=args.max_length, queue_size=0, attention=attention) as engine:
+        futures = [engine.submit(**request) for request in requests]
         while engine.stats().decoding < rows:
             time.sleep(0.001)
         warm = engine.stats().steps + 16  # past the first calls (compilation, capture)
@@ -119,22 +139,26 @@ def measure(model: Any, rows: int, args: Any) -> dict[str, Any]:
                 profiled_before = engine.stats()
                 time.sleep(args.window)
                 profiled_after = engine.stats()
-        # The rows decoded what transformers computes (bench.verdict, tokens), on the first two.
-        outputs = [future.result() for future in futures[:2]]
-        for future in futures[2:]:
+            # The rows decoded what transformers computes (bench.verdict, tokens), on the first two of a
+        # decoder-only model (Whisper's processors suppress tokens, which the raw greedy verdict does not know).
+        judged = 0 if model.config.is_encoder_decoder else 2
+        outputs = [future.result() for future in futures[:judged]]
+        for future in futures[judged:]:
             future.cancel()
-    verdicts = [
-        judge(model, {"input_ids": prompt.to(model.device)}, tokens, args.prompt)
-        for prompt, tokens in zip(prompts, outputs, strict=False)
-    ]
     measured: dict[str, Any] = {
         "rows": rows,
-        "verdict_rows": len(verdicts),
-        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in verdicts),
-        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in verdicts),
+        "attention": attention,
         "wall_ms_per_step": round((ended - began) * 1e3 / max(wall_steps, 1), 4),
         "steps_timed": wall_steps,
     }
+    verdicts = [
+        judge(model, {"input_ids": request["input_ids"]}, tokens, args.prompt)
+        for request, tokens in zip(requests, outputs, strict=False)
+    ]
+    if verdicts:
+        measured["verdict_rows"] = len(verdicts)
+        measured["tokens_agree_with_transformers"] = all(v["tokens_agree_with_transformers"] for v in verdicts)
+        measured["largest_gap_over_margin"] = max(v["largest_gap_over_margin"] for v in verdicts)
     if profiler is None:
         return measured
     steps = max(profiled_after.steps - profiled_before.steps, 1)
@@ -167,10 +191,17 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--window", type=float, default=0.5, help="seconds timed, and seconds profiled")
     parser.add_argument("--enable", default="none", help="sets of cachelife.enable options, '/' between sets")
+    parser.add_argument("--attention", default="model", help="the Engine's attention values measured (a, b, ...)")
     args = parser.parse_args()
     sets = option_sets(args.enable)
+    attentions = args.attention.split(",")
     device = pick_device(args.device)
-    model = build_model(args.model, device, getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    model = (
+        build_model(args.model, device, dtype)
+        if args.model in MODEL_NAMES
+        else zoo.build(args.model, device=device, dtype=dtype).model
+    )
     model.generation_config.eos_token_id = None  # every row decodes to its length
     out = results_file(args.out, f"engine-step-{args.model}", device, "bench.engine_step", {
         "model": args.model, "dtype": args.dtype, "max_length": args.max_length, "prompt": args.prompt,
@@ -179,8 +210,8 @@ def main() -> int:
     first: float | None = None
     for options in sets:
         with enabled(model, options):
-            for rows in (int(part) for part in args.rows.split(",")):
-                measured = {"enable": list(options), **measure(model, rows, args)}
+            for attention, rows in itertools.product(attentions, (int(part) for part in args.rows.split(","))):
+                measured = {"enable": list(options), **measure(model, rows, attention, args)}
                 first = measured["wall_ms_per_step"] if first is None else first
                 measured["wall_ratio_to_first"] = round(measured["wall_ms_per_step"] / first, 3)
                 out.add(measured)

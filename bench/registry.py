@@ -347,10 +347,28 @@ _ENTRIES = (
     Benchmark(
         "engine-step-llama", "bench.engine_step",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16", "--max-length", "512",
-         "--prompt", "64", "--window", "0.3"),
+         "--prompt", "64", "--window", "0.3", "--attention", "model,decode"),
         "where a step of the engine goes on the Llama-3.2-1B shape, bf16, with every row decoding: wall ms per "
-        "step, device kernels by kind and the device's idle time, for 1 and 16 rows",
+        "step, device kernels by kind and the device's idle time, for 1 and 16 rows, the rows on the model's "
+        "SDPA and on cachelife's decode attention kernel (attention='decode')",
         "cuda", "engine-step-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
+        "engine-step-whisper", "bench.engine_step",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--rows", "1,16",
+         "--max-length", "448", "--window", "0.3", "--attention", "model,decode"),
+        "the engine-step-llama profile on the whisper-large-v3 shape (every row decoding to Whisper's 448 "
+        "positions over its own 1500 encoder frames), 1 and 16 rows, model's SDPA and the decode kernel",
+        "cuda", "engine-step-whisper-large-v3-cuda-*.json",
+    ),
+    Benchmark(
+        "engine-whisper-throughput", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16",
+         "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths", "engine,engine_decode", "--ttft"),
+        "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 48 requests of 96 new tokens "
+        "from 1 and 16 clients (issue 33's shape), every request streamed (time to first token p50/p99 against "
+        "a lone request's), the rows on the model's SDPA against the decode attention kernel",
+        "cuda", "engine-whisper-large-v3-ttft-*cuda*.json",
     ),
     Benchmark(
         "engine-step-llama-levers", "bench.engine_step",

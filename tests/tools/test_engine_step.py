@@ -37,3 +37,16 @@ def test_a_cpu_run_writes_each_rows_wall_time(tmp_path: Path, monkeypatch: pytes
     assert all(result["steps_timed"] > 0 and result["wall_ms_per_step"] > 0 for result in results)
     assert results[0]["wall_ratio_to_first"] == 1.0
     assert all(result["tokens_agree_with_transformers"] for result in results)  # float32: tokens equal
+
+
+@pytest.mark.slow
+def test_a_cpu_run_measures_whisper_and_each_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    arguments = ["--device", "cpu", "--model", "whisper", "--dtype", "float32", "--rows", "2", "--max-length", "40",
+                 "--window", "0.1", "--attention", "model,decode", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["engine_step", *arguments])
+    assert engine_step.main() == 0
+    (written,) = tmp_path.glob("engine-step-whisper-cpu-*.json")
+    results = json.loads(written.read_text())["results"]
+    assert [(result["rows"], result["attention"]) for result in results] == [(2, "model"), (2, "decode")]
+    assert all(result["steps_timed"] > 0 for result in results)
+    assert all("tokens_agree_with_transformers" not in result for result in results)  # no raw-greedy verdict
