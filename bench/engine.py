@@ -20,9 +20,10 @@ random features) are served, per path:
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
-- `engine_decode`: `engine` with cachelife's decode attention kernel in the rows (`Engine(attention="decode")`,
-  `cachelife.serving.step_attention`: each row reads the slots it attends), where `engine` keeps the model's own
-  attention (SDPA over the whole cache for every row);
+- `engine_decode` and `engine_model_attention`: `engine` with cachelife's decode attention kernel in the rows
+  (`Engine(attention="decode")`, `cachelife.serving.step_attention`: each row reads the slots it attends), and
+  with the model's own attention (`attention="model"`: SDPA over the whole cache for every row), where `engine`
+  takes the engine's default (`attention="auto"`: the kernel on a GPU over SDPA models);
 - `engine_cudnn`: `engine` with its steps allowed torch's cuDNN attention (as before they kept to attention that
   repeats exactly: the cost of repeatable attention);
 - `engine_sampling_one` and `engine_sampling_mixed`: `engine` with every request sampling (seeded), all with one
@@ -54,7 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -73,6 +74,8 @@ from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
 Request = dict[str, Any]
+# The engine paths that differ in their `Engine(attention=...)` alone.
+ATTENTIONS: Final[dict[str, str]] = {"engine": "auto", "engine_decode": "decode", "engine_model_attention": "model"}
 
 
 def requests_for(
@@ -256,7 +259,7 @@ def eager_prefills() -> Iterator[None]:
 
 def engine_runs(
     out: Any, model: PreTrainedModel, requests: list[Request], args: Any, *, reference: list[torch.Tensor] | None,
-    new: int, label: str = "engine", judge_tokens: bool = True, attention: str = "model",
+    new: int, label: str = "engine", judge_tokens: bool = True, attention: str = "auto",
 ) -> None:  # fmt: skip
     """One engine, warmed up, then every request from each `--clients` count of client threads."""
     longest = int(args.new_tokens.split(",")[1])
@@ -386,7 +389,7 @@ def main() -> int:
     # As the docs ask of every user: without it, each sequential call gets new cache addresses and captures a
     # new CUDA graph. The engine keeps caches of its own either way.
     cachelife.enable(model)
-    if {"sequential", "engine", "engine_decode", "engine_eager_prefill"} & set(paths):
+    if {"sequential", *ATTENTIONS, "engine_eager_prefill"} & set(paths):
 
         def ours(request: Request) -> torch.Tensor:
             return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))
@@ -394,7 +397,7 @@ def main() -> int:
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
-        if path in ("engine", "engine_decode", "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
+        if path in (*ATTENTIONS, "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
             label = path if path not in paths[:index] else f"{path}_again"
             instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
                           "engine_one_prefill": one_prefill_each}  # fmt: skip
@@ -408,7 +411,7 @@ def main() -> int:
                     reference=reference,
                     new=new,
                     label=label,
-                    attention="decode" if path == "engine_decode" else "model",
+                    attention=ATTENTIONS.get(path, "auto"),
                 )
         if path in ("engine_sampling_one", "engine_sampling_mixed"):
             sampled = sampling_requests(requests, mixed=path.endswith("mixed"))

@@ -37,6 +37,7 @@ from bench.results_file import bench_parser, results_file
 from bench.verdict import judge
 from cachelife.integration.enabling import disable, enable
 from cachelife.serving.engine import Engine
+from cachelife.serving.step_attention import StepAttention, check_attention
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
 
@@ -118,7 +119,7 @@ def step_requests(model: Any, rows: int, args: Any) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def measure(model: Any, rows: int, attention: str, args: Any) -> dict[str, Any]:
+def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[str, Any]:
     requests = step_requests(model, rows, args)
     with Engine(model, rows=rows, max_length=args.max_length, queue_size=0, attention=attention) as engine:
         futures = [engine.submit(**request) for request in requests]
@@ -191,10 +192,10 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--window", type=float, default=0.5, help="seconds timed, and seconds profiled")
     parser.add_argument("--enable", default="none", help="sets of cachelife.enable options, '/' between sets")
-    parser.add_argument("--attention", default="model", help="the Engine's attention values measured (a, b, ...)")
+    parser.add_argument("--attention", default="auto", help="the Engine's attention values measured (a, b, ...)")
     args = parser.parse_args()
     sets = option_sets(args.enable)
-    attentions = args.attention.split(",")
+    attentions = [check_attention(attention) for attention in args.attention.split(",")]
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     model = (

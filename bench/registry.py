@@ -364,10 +364,11 @@ _ENTRIES = (
     Benchmark(
         "engine-whisper-throughput", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16",
-         "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths", "engine,engine_decode", "--ttft"),
+         "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths", "engine,engine_model_attention",
+         "--ttft"),
         "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 48 requests of 96 new tokens "
         "from 1 and 16 clients (issue 33's shape), every request streamed (time to first token p50/p99 against "
-        "a lone request's), the rows on the model's SDPA against the decode attention kernel",
+        "a lone request's), the engine's default (the decode attention kernel in the rows) against the model's SDPA",
         "cuda", "engine-whisper-large-v3-ttft-*cuda*.json",
     ),
     Benchmark(
@@ -382,12 +383,12 @@ _ENTRIES = (
     Benchmark(
         "engine-llama-throughput", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine,engine_decode",
+         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine,engine_model_attention",
          "--verdicts", "4"),
         "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy: 64 requests of 16-128 prompt tokens "
-        "and 128 new tokens from 16 and 64 clients (issue 33's shape), the rows on the model's SDPA against "
-        "cachelife's decode attention kernel (attention='decode'), with the scheduler's time split and the "
-        "verdict against transformers",
+        "and 128 new tokens from 16 and 64 clients (issue 33's shape), the engine's default (cachelife's decode "
+        "attention kernel in the rows) against the model's SDPA (attention='model'), with the scheduler's time "
+        "split and the verdict against transformers",
         "cuda", "engine-llama-3.2-1b-cuda-*.json",
     ),
     Benchmark(

@@ -61,11 +61,11 @@ def test_decode_attention_rows_give_generates_tokens_and_the_model_gets_its_own_
         assert torch.equal(result, tokens), index
 
 
-def test_auto_keeps_the_models_attention_off_the_gpu() -> None:
+def test_auto_the_default_keeps_the_models_attention_off_the_gpu() -> None:
     """On the CPU, with or without Triton's interpreter (the tests' kernels run in it)."""
     model = zoo.build("llama").model
     before = implementations(model)
-    with Engine(model, rows=1, max_length=16, compile_step=False, attention="auto") as engine:
+    with Engine(model, rows=1, max_length=16, compile_step=False) as engine:
         assert implementations(model) == before
         engine.submit(**zoo.build("llama").inputs(1, 3, 0), max_new_tokens=2).result(timeout=300)
     assert ATTENTION not in before
@@ -77,7 +77,9 @@ def test_auto_takes_the_kernel_where_triton_runs_on_a_gpu_and_only_over_sdpa(mon
     with Engine(model, rows=1, max_length=16, compile_step=False, attention="auto"):
         assert implementations(model) == {ATTENTION}
     assert implementations(model) == {"sdpa"}
-    with Engine(model, rows=1, max_length=16, compile_step=False):  # the default keeps the model's
+    with Engine(model, rows=1, max_length=16, compile_step=False):  # the default is "auto"
+        assert implementations(model) == {ATTENTION}
+    with Engine(model, rows=1, max_length=16, compile_step=False, attention="model"):
         assert implementations(model) == {"sdpa"}
     model.set_attn_implementation("eager")
     with Engine(model, rows=1, max_length=16, compile_step=False, attention="auto"):

@@ -67,8 +67,9 @@ class Engine:
     requests may wait beyond the rows; `prepare_ahead` requests run their encoder and preparation while
     the rows are full; `encoder_length` (encoder-decoder models but Whisper, whose encoder length is fixed)
     is the longest encoder output a request may have; `timeout` (seconds) is every request's default;
-    `attention` is the attention the rows decode with (`step_attention`: "auto" or "decode" take cachelife's
-    decode kernel, which reads only the slots a row attends; the default keeps the model's). `steps_per_call`,
+    `attention` is the attention the rows decode with (`step_attention`: "auto", the default, takes cachelife's
+    decode kernel, which reads only the slots a row attends, on a CUDA device over SDPA models; "decode"
+    wherever the model supports it; "model" keeps the model's own). `steps_per_call`,
     `compile_step` and `cuda_graphs` are `cachelife.generate`'s."""
 
     def __init__(
@@ -84,7 +85,7 @@ class Engine:
         cuda_graphs: CudaGraphs = "cachelife",
         encoder_length: int | None = None,
         timeout: float | None = None,
-        attention: StepAttention = "model",
+        attention: StepAttention = "auto",
     ) -> None:
         check_model(model)
         for name, value in (("rows", rows), ("max_length", max_length), ("steps_per_call", steps_per_call)):
