@@ -222,3 +222,24 @@ def test_reprs_are_short_and_say_the_states() -> None:
     assert pool is not None
     assert repr(pool).startswith("CachePool(0 idle set(s), 0 of 4294967296 bytes")
     assert len(repr(cachelife.runtime_of(model))) < 200
+
+
+def test_each_cache_counts_its_own_layers_transitions() -> None:
+    """The memoised verdicts follow a count of the cache's own layers: another cache's transitions leave it,
+    and a lifecycle rebuilt around kept layers shares the count they add to."""
+    caches = encoder_decoder_cache(), encoder_decoder_cache()
+    first, second = (cachelife.lifecycle(cache) for cache in caches)
+    before = second.transitions.value
+    pin(first)
+    assert first.transitions.value == 4
+    assert second.transitions.value == before
+    cache = encoder_decoder_cache()
+    state = cachelife.lifecycle(cache)
+    pin(state)
+    cache.cross_attention_cache = StaticCache(config=CONFIG, max_cache_len=7)
+    resynced = cachelife.lifecycle(cache)
+    assert resynced.transitions is state.transitions
+    pin(resynced)
+    assert resynced.is_pinned
+    state.self_attention[0].release()  # a kept layer, through the lifecycle that adopted it
+    assert not resynced.is_pinned

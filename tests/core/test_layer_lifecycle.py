@@ -334,3 +334,12 @@ def test_one_debug_line_per_transition(caplog: pytest.LogCaptureFixture) -> None
     assert "reset: Filled -> Pinned" in reset
     assert "release: Pinned -> Unallocated" in release
     assert "static=released" in release
+
+
+def test_a_transition_enters_only_the_state_the_table_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    tracked, layer = fresh()
+    tracked.pin(SPEC)
+    monkeypatch.setitem(TRANSITIONS, (Pinned, "fill"), Pinned)  # a table that says otherwise
+    with pytest.raises(IllegalTransitionError, match=r"fill of layer 4 .* leads to Pinned, not Filled"):
+        tracked.fill(FillRecord("test"))
+    check_whole_state(tracked, layer, Pinned)

@@ -27,8 +27,8 @@ from cachelife.core.layer_lifecycle import (
     NoStorage,
     Pinned,
     Role,
+    TransitionCount,
     Unallocated,
-    transitions_so_far,
 )
 from cachelife.core.placement import resolve_device
 from cachelife.core.shapes import CacheShapes, LayerShape
@@ -71,9 +71,11 @@ class CacheLifecycle:
     _cross_attention: tuple[LayerLifecycle, ...] = field(alias="cross_attention")
     # Identity of the layer objects the lifecycles were built for, to notice replaced layers or sub-caches.
     _layer_ids: tuple[int, ...] = field(alias="layer_ids")
-    # (transitions_so_far() when computed, is_pinned, is_filled): checked once per step while decoding.
+    # Every transition of these layers counts here (each layer was adopted with it).
+    _transitions: TransitionCount = field(factory=TransitionCount, alias="transitions")
+    # (the transition count when computed, is_pinned, is_filled): checked once per step while decoding.
     _verdict: tuple[int, bool, bool] = field(default=(-1, False, False), alias="verdict")
-    # (transitions_so_far() when computed, (layer, keys, values, cumulative_length) of every pinned layer):
+    # (the transition count when computed, (layer, keys, values, cumulative_length) of every pinned layer):
     # what each pinned layer must still hold, compared by identity once per decoding step.
     _watched: tuple[int, tuple[Watched, ...]] = field(default=(-1, ()), alias="watched")
 
@@ -86,6 +88,11 @@ class CacheLifecycle:
             f"<CacheLifecycle {len(self.self_attention)} self-attention and {len(self.cross_attention)} "
             f"cross-attention layers: {states}>"
         )
+
+    @property
+    def transitions(self) -> TransitionCount:
+        """The count of its layers' transitions, which its memoised verdicts follow."""
+        return self._transitions
 
     @property
     def layers(self) -> tuple[LayerLifecycle, ...]:
@@ -119,8 +126,8 @@ class CacheLifecycle:
         return self._current_verdict()[2]
 
     def _current_verdict(self) -> tuple[int, bool, bool]:
-        # States change only through transitions, so the verdict holds until the next transition anywhere.
-        now = transitions_so_far()
+        # States change only through transitions, so the verdict holds until the next transition of a layer.
+        now = self._transitions.value
         if self._verdict[0] != now:
             layers = self.storage_layers
             self._verdict = (
@@ -148,7 +155,7 @@ class CacheLifecycle:
 
     def _any_replaced(self) -> bool:
         # The per-step fast path: identity checks against a list rebuilt only after a transition.
-        now = transitions_so_far()
+        now = self._transitions.value
         if self._watched[0] != now:
             self._watched = (now, tuple(_pinned_tensors(layer) for layer in self.layers if layer.is_pinned))
         for layer, keys, values, length in self._watched[1]:
@@ -317,12 +324,15 @@ def _build(
     known: CacheLifecycle | None,
 ) -> CacheLifecycle:
     previous = () if known is None else known.layers
+    # The layers kept from `known` count their transitions in its count: the new ones join it.
+    count = TransitionCount() if known is None else known.transitions
 
     def adopt(layer: object, index: int, role: Role) -> LayerLifecycle:
         for kept in previous:
             if kept.tracks(layer) and kept.role == role and kept.index == index:
                 return kept
-        return LayerLifecycle.adopt(layer, index=index, role=role, owner=owner if role == "cross" else None)
+        cross_owner = owner if role == "cross" else None
+        return LayerLifecycle.adopt(layer, index=index, role=role, owner=cross_owner, count=count)
 
     return CacheLifecycle(
         self_attention=tuple(adopt(layer, i, "self") for i, layer in enumerate(own.layers)),
@@ -330,6 +340,7 @@ def _build(
         if cross is None
         else tuple(adopt(layer, i, "cross") for i, layer in enumerate(cross.layers)),
         layer_ids=ids,
+        transitions=count,
     )
 
 

@@ -3,8 +3,9 @@
 Rules:
 - Everything that changes a layer's lifecycle state lives in this module. A `LayerLifecycle` changes state
   only in its four transition methods (`pin`, `fill`, `reset`, `release`); callers read `.state`.
-- The legal transitions are the table `TRANSITIONS`. An event the table does not list for the current state
-  raises `IllegalTransitionError` naming the layer, its role, the state and the fix, and changes nothing.
+- The legal transitions are the table `TRANSITIONS`: (state, event) -> the state it enters. An event the table
+  does not list for the current state raises `IllegalTransitionError` naming the layer, its role, the state and
+  the fix, and changes nothing; a transition enters only the state the table names for it.
 - A transition first checks everything that can refuse it (`LayerLifecycle.check`: legal, layer alive, not in a
   compiled region, buffers not replaced), then acts on the buffers (`cachelife.core.buffers`), then records the new
   state and logs one DEBUG line. If acting fails, the state stays as it was. Whole-cache operations run every
@@ -100,13 +101,12 @@ _FIXES: Final[Mapping[tuple[type[LayerState], Event], str]] = {
 }
 
 
-# Counts every transition of every layer, so whole-cache verdicts can be memoised until the next one.
-_transitions_so_far = 0
+@define(eq=False)
+class TransitionCount:
+    """How many transitions the layers of one cache have made: a cache's verdicts on its layers (pinned? filled?
+    tensors replaced?) hold until it changes. A cache hands its own to every layer it adopts."""
 
-
-def transitions_so_far() -> int:
-    """How many transitions all layers have made in this process (for memoising whole-cache checks)."""
-    return _transitions_so_far
+    value: int = 0
 
 
 def is_pinned_state(state: LayerState) -> bool:
@@ -132,19 +132,23 @@ class LayerLifecycle:
     _layer: weakref.ReferenceType[object] = field(alias="layer")
     _owner: weakref.ReferenceType[EncoderDecoderCache] | None = field(alias="owner")
     _state: LayerState = field(alias="state")
+    _count: TransitionCount = field(alias="count")
 
     @classmethod
     def adopt(
-        cls, layer: object, *, index: int, role: Role, owner: EncoderDecoderCache | None = None
-    ) -> LayerLifecycle:
-        """Start tracking a transformers layer, deriving its state from the storage it holds now.
+        cls, layer: object, *, index: int, role: Role, owner: EncoderDecoderCache | None = None,
+        count: TransitionCount | None = None,
+    ) -> LayerLifecycle:  # fmt: skip
+        """Start tracking a transformers layer, deriving its state from the storage it holds now; `count` is the
+        owning cache's `TransitionCount` (a layer adopted alone counts for itself).
 
         A layer with content that was never seen by cachelife is `Filled`; reading a full-attention
         layer's length for that costs one host-device synchronisation, here only, never per step.
         """
         who = f"layer {index} ({role}-attention)"
+        count = TransitionCount() if count is None else count
         if buffers.is_storage_less_layer(layer):
-            adopted = cls(index=index, role=role, layer=weakref.ref(layer), owner=None, state=NoStorage())
+            adopted = cls(index=index, role=role, layer=weakref.ref(layer), owner=None, state=NoStorage(), count=count)
             logger.debug(
                 "layer=%d role=%s adopt: NoStorage (%s stores no keys or values)", index, role, type(layer).__name__
             )
@@ -166,7 +170,7 @@ class LayerLifecycle:
         state = _observed_state(layer, who, index, owner)
         if is_pinned_state(state):
             reorder.install(layer)
-        return cls(index=index, role=role, layer=weakref.ref(layer), owner=owner_ref, state=state)
+        return cls(index=index, role=role, layer=weakref.ref(layer), owner=owner_ref, state=state, count=count)
 
     @property
     def state(self) -> LayerState:
@@ -273,7 +277,7 @@ class LayerLifecycle:
         """Raise what `event` would raise before it acts, and change nothing: an illegal transition, a layer
         that no longer exists, a compiled or captured region, or (for reset) buffers replaced outside cachelife
         (`ReplacedBuffersError`). Whole-cache operations check every layer with it before changing any."""
-        self._check(event)
+        self._target(event)
         if event == "fill":
             return
         layer = self.layer
@@ -293,25 +297,19 @@ class LayerLifecycle:
 
     def fill(self, record: FillRecord) -> Filled:
         """Record that the pinned buffers now hold content, and what wrote it."""
-        state = self._state
         self.check("fill")
-        if not isinstance(state, Pinned):  # unreachable: the table allows fill from Pinned only
-            raise self._illegal("fill")
-        new = Filled(state.buffers, record)
+        new = Filled(self.buffers, record)
         self._enter("fill", new)
         return new
 
     def reset(self, *, checked: bool = False) -> Pinned:
         """Empty the buffers in place, keeping every data pointer, so they can be filled again. `checked`: the
         caller has just run `check("reset")` (a whole cache checks every layer before it empties any)."""
-        state = self._state
         if not checked:
             self.check("reset")
-        if not isinstance(state, Pinned | Filled):  # unreachable after the check: see TRANSITIONS
-            raise self._illegal("reset")
+        new = Pinned(self.buffers)
         buffers.zero(self.layer)
         self._forget_cross_content()
-        new = Pinned(state.buffers)
         self._enter("reset", new)
         return new
 
@@ -327,9 +325,13 @@ class LayerLifecycle:
 
     # -- machinery ---------------------------------------------------------------------------------------
 
-    def _check(self, event: Event) -> None:
-        if (type(self._state), event) not in TRANSITIONS:
+    def _target(self, event: Event) -> type[LayerState]:
+        """The state `event` leads to from the current one, as `TRANSITIONS` says (`IllegalTransitionError`
+        if it lists none)."""
+        target = TRANSITIONS.get((type(self._state), event))
+        if target is None:
             raise self._illegal(event)
+        return target
 
     def _illegal(self, event: Event) -> IllegalTransitionError:
         key = (type(self._state), event)
@@ -338,10 +340,14 @@ class LayerLifecycle:
         return IllegalTransitionError(msg)
 
     def _enter(self, event: Event, new: LayerState, origin: str = "") -> None:
-        global _transitions_so_far  # noqa: PLW0603 - the one process-wide transition counter
+        """Take `event` to `new`, which must be of the state `TRANSITIONS` names for it."""
+        target = self._target(event)
+        if type(new) is not target:
+            msg = f"{event} of {self.describe()} leads to {target.__name__}, not {type(new).__name__} (TRANSITIONS)"
+            raise IllegalTransitionError(msg)
         old = self._state
         self._state = new
-        _transitions_so_far += 1
+        self._count.value += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s%s", describe_transition(self, event, old, new), origin)
 
