@@ -109,16 +109,6 @@ class TransitionCount:
     value: int = 0
 
 
-def is_pinned_state(state: LayerState) -> bool:
-    """Whether a layer in this state holds static buffers (pinned, with or without content)."""
-    return isinstance(state, Pinned | Filled)
-
-
-def holds_storage(state: LayerState) -> bool:
-    """Whether a layer in this state is one that stores keys and values (every state but `NoStorage`)."""
-    return not isinstance(state, NoStorage)
-
-
 @define(eq=False)
 class LayerLifecycle:
     """The lifecycle of one transformers cache layer: which buffers it holds and whether they are pinned.
@@ -168,7 +158,7 @@ class LayerLifecycle:
             raise UnsupportedCacheError(msg)
         owner_ref = None if owner is None else weakref.ref(owner)
         state = _observed_state(layer, who, index, owner)
-        if is_pinned_state(state):
+        if isinstance(state, Pinned | Filled):
             reorder.install(layer)
         return cls(index=index, role=role, layer=weakref.ref(layer), owner=owner_ref, state=state, count=count)
 
@@ -210,12 +200,12 @@ class LayerLifecycle:
     @property
     def is_pinned(self) -> bool:
         """Whether the layer holds static buffers (state `Pinned` or `Filled`)."""
-        return is_pinned_state(self._state)
+        return isinstance(self._state, Pinned | Filled)
 
     @property
     def holds_storage(self) -> bool:
         """Whether the layer stores keys and values at all (every state but `NoStorage`)."""
-        return holds_storage(self._state)
+        return not isinstance(self._state, NoStorage)
 
     @property
     def capacity(self) -> int | None:
@@ -326,8 +316,7 @@ class LayerLifecycle:
     # -- machinery ---------------------------------------------------------------------------------------
 
     def _target(self, event: Event) -> type[LayerState]:
-        """The state `event` leads to from the current one, as `TRANSITIONS` says (`IllegalTransitionError`
-        if it lists none)."""
+        """The state `event` enters from the current one (`TRANSITIONS`); `IllegalTransitionError` if none."""
         target = TRANSITIONS.get((type(self._state), event))
         if target is None:
             raise self._illegal(event)
