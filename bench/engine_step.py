@@ -6,13 +6,12 @@
 
 For each `--rows` value an `Engine(rows=N, max_length=--max-length)` gets N requests of `--prompt` tokens that
 each decode to the end of the cache (`min_new_tokens = max_new_tokens`), so that every row decodes through the
-measurement and nobody joins. Once every row decodes and 16 more steps ran, for `--window` seconds: the
-scheduler's step calls (wall ms per step: the whole boundary, host work included), and under torch.profiler
-(device activity alone) the device's kernels,
-grouped by kind as bench/profile_step.py groups them (ms per step and kernels per step), and the device's idle
-time (the window's span less the union of its kernels' intervals, per step): how much of a step the device
-waits for the host. Each measurement also gives the ratio of its wall ms per step to the first one's (the first
-options set's first rows value).
+measurement and nobody joins. Once every row decodes and 16 more steps ran, for `--window` seconds and at least
+4 steps: the scheduler's step calls (wall ms per step: the whole boundary, host work included), and under
+torch.profiler (device activity alone) the device's kernels, grouped by kind as bench/profile_step.py groups
+them (ms per step and kernels per step), and the device's idle time (the window's span less the union of its
+kernels' intervals, per step): how much of a step the device waits for the host. Each measurement also gives
+the ratio of its wall ms per step to the first one's (the first options set's first rows value).
 Then the first two rows decode to their end and are judged against transformers (bench.verdict, tokens).
 `--enable` measures every rows value once per set of `cachelife.enable` options (`/` between sets, `,` between
 the options of one set, `none` for none): the model is enabled with the set's options (each True), measured,
@@ -78,6 +77,8 @@ def option_sets(text: str) -> list[tuple[str, ...]]:
     return sets
 
 
+# The fewest steps a wall time is taken over, when `--window` seconds hold fewer.
+MIN_STEPS = 4
 # Whisper's longest decoder prompt: start of transcript, language, task, no timestamps.
 WHISPER_DECODER_PROMPT = 4
 LEVERS = ("fuse_projections", "decode_attention", "small_linear", "compile_regions")
@@ -130,8 +131,14 @@ def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[
             time.sleep(0.001)
         before, began = engine.stats(), time.perf_counter()
         time.sleep(args.window)
+        # However slow a step (Triton's interpreter on a CPU), the wall time is taken over a few steps at least.
+        while engine.stats().steps - before.steps < MIN_STEPS and engine.stats().decoding == rows:
+            time.sleep(0.001)
         after, ended = engine.stats(), time.perf_counter()
         wall_steps = after.steps - before.steps
+        if wall_steps < MIN_STEPS:
+            msg = f"the rows ended after {wall_steps} timed steps (at least {MIN_STEPS}): raise --max-length"
+            raise SystemExit(msg)
         # Device activity alone: tracing the host's operators would slow the host and widen the device's gaps.
         # A CPU has no device timeline: its wall time alone is measured.
         profiler = None
@@ -149,7 +156,7 @@ def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[
     measured: dict[str, Any] = {
         "rows": rows,
         "attention": attention,
-        "wall_ms_per_step": round((ended - began) * 1e3 / max(wall_steps, 1), 4),
+        "wall_ms_per_step": round((ended - began) * 1e3 / wall_steps, 4),
         "steps_timed": wall_steps,
     }
     verdicts = [
