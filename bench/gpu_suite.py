@@ -130,7 +130,7 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
 # then stopped the whole run: a test's warning filter pytest could not parse) leaves the others' outcomes.
 GPU_TESTS = (
     ("main", ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/serving")),
-    ("kernels", ("tests/kernels",)),
+    ("kernels", ("tests/kernels", "tests/model_rewrites")),
     ("repeatable", ("tests/generation/test_repeatable.py",)),
 )
 

@@ -23,7 +23,7 @@ from pathlib import Path
 CASE = """
 import contextlib, torch, cachelife
 from cachelife.tools import zoo
-from cachelife.kernels.attention_implementation import use_decode_attention
+from cachelife.model_rewrites.decode_attention import use_decode_attention
 built = zoo.build({model!r}, device="cuda")
 inputs = built.inputs(2, 9, 1)
 expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=24, min_new_tokens=24)

@@ -1,6 +1,6 @@
 """The package's layout: imports only go down the layers (the base -> the lifecycle core -> the step's
-kernels -> the transformers integration -> the fast loop -> serving -> the tools and the public face), never back up,
-whatever form they take."""
+kernels -> the model rewrites -> the transformers integration -> the fast loop -> serving -> the tools and the
+public face), never back up, whatever form they take."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors", "log", "validate", "version"}),
     frozenset({"core"}),
     frozenset({"kernels"}),
+    frozenset({"model_rewrites"}),
     frozenset({"integration"}),
     frozenset({"generation"}),
     frozenset({"serving"}),

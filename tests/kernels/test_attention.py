@@ -38,13 +38,13 @@ from cachelife.kernels.attention import (
     plan_splits,
     reference_decode_attention,
 )
-from cachelife.kernels.attention_implementation import (
+from cachelife.kernels.triton_support import triton_runs_on
+from cachelife.model_rewrites.decode_attention import (
     ATTENTION,
     decode_attention_forward,
     register_decode_attention,
     use_decode_attention,
 )
-from cachelife.kernels.triton_support import triton_runs_on
 from cachelife.tools import zoo
 
 INTERPRETED = triton_runs_on(torch.device("cpu"))

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedConfig, PreTrainedModel
 
 import cachelife
-from cachelife.kernels.attention_implementation import ATTENTION
+from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.tools import zoo
 
 OP = "cachelife::decode_attention"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cachelife.errors import InvalidArgumentError
-from cachelife.kernels import attention_implementation
 from cachelife.kernels.attention import decode_attention
-from cachelife.kernels.attention_implementation import ATTENTION
+from cachelife.model_rewrites import decode_attention as attention_rewrite
+from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 
@@ -45,7 +45,7 @@ def test_decode_attention_rows_give_generates_tokens_and_the_model_gets_its_own_
         calls.append(args[0].shape[0])  # the query's rows
         return decode_attention(*args, **kwargs)
 
-    monkeypatch.setattr(attention_implementation, "decode_attention", counted)
+    monkeypatch.setattr(attention_rewrite, "decode_attention", counted)
     built = zoo.build(name)
     model = built.model
     requests = requests_of(built)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cachelife
-from cachelife.kernels.attention_implementation import ATTENTION
+from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 

@@ -82,6 +82,7 @@ def test_everything_in_all_is_exported_and_nothing_else_public() -> None:
     subpackages = {
         "core",
         "kernels",
+        "model_rewrites",
         "integration",
         "generation",
         "serving",

@@ -87,13 +87,13 @@ class FallbackArguments(_FromTheCode):
 
 
 class Processors(_FromTheCode):
-    """transformers' logits processors the compiled step runs: as they are, or rewritten on tensors."""
+    """transformers' logits processors the compiled step runs: as they are, or in their tensor form."""
 
     def run(self) -> list[nodes.Node]:
         self.note_sources()
         # The module's own lists (private names: the module owns them, this page only reads them).
         called = processors._CALLED
-        rewritten = processors._REWRITTEN
+        as_tensors = processors._AS_TENSORS
         reads = processors._READS
         rows: list[list[Cell]] = [
             [Code(kind.__name__), "called as transformers wrote it (reads only the scores)", "-"] for kind in called
@@ -101,10 +101,10 @@ class Processors(_FromTheCode):
         rows += [
             [
                 Code(kind.__name__),
-                "rewritten with the same arithmetic on a 0-dim length and a fixed token buffer",
+                "in tensor form: the same arithmetic on a 0-dim length and a fixed token buffer",
                 ", ".join(reads.get(kind, ())) or "-",
             ]
-            for kind in rewritten
+            for kind in as_tensors
         ]
         rows.append(["any other processor", FALLS_BACK, "-"])
         return [table(["transformers processor", "in the compiled step", "attributes it must have"], rows)]

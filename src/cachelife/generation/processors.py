@@ -6,7 +6,7 @@ functions `(tokens, length, scores) -> scores` that read the current length from
 tokens so far from a fixed-size buffer `(rows, width)`, so that one compiled step serves every position
 without a host sync or a recompilation. transformers' processors that look only at the scores are called as
 they are; the ones that read `input_ids.shape[-1]` (the length as a Python int) or the whole `input_ids`
-are rewritten (`rewrites`) with the same arithmetic, their own positions (begin index, prompt length,
+are expressed again (`tensor_processors`) with the same arithmetic, their own positions (begin index, prompt length,
 max_length - 1) held as 0-dim tensors too, so that calls of other lengths share the compiled step:
 
 | transformers processor                | here                                      |
@@ -16,24 +16,24 @@ max_length - 1) held as 0-dim tensors too, so that calls of other lengths share 
 | TopKLogitsWarper, TopPLogitsWarper    | called                                    |
 | MinPLogitsWarper, TypicalLogitsWarper | called                                    |
 | EpsilonLogitsWarper                   | called                                    |
-| EtaLogitsWarper                       | rewritten (the entropy without torch.distributions' checks) |
+| EtaLogitsWarper                       | tensor form (the entropy without torch.distributions' checks) |
 | InfNanRemoveLogitsProcessor           | called                                    |
 | LogitNormalization                    | called                                    |
-| SuppressTokensAtBeginLogitsProcessor  | rewritten (`length == begin_index`)       |
-| MinLengthLogitsProcessor              | rewritten (`length < min_length`)         |
-| MinNewTokensLengthLogitsProcessor     | rewritten (`length - prompt < min_new`)   |
-| ForcedBOSTokenLogitsProcessor         | rewritten (`length == 1`)                 |
-| ForcedEOSTokenLogitsProcessor         | rewritten (`length == max_length - 1`)    |
-| RepetitionPenaltyLogitsProcessor      | rewritten (tokens past `length` masked)   |
-| NoRepeatNGramLogitsProcessor          | rewritten (n-grams ending past `length` masked) |
-| NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor | rewritten (prefixes read at `length`) |
-| EncoderNoRepeatNGramLogitsProcessor   | rewritten (the encoder's n-grams as tensors) |
-| ExponentialDecayLengthPenalty         | rewritten (`length > start`, the power in float64) |
-| WhisperTimeStampLogitsProcessor       | rewritten (the generated tokens from `begin_index` to `length`) |
-| cachelife's OccurrencePenalty (`penalties`) | rewritten (tokens from the prompt's end to `length` counted) |
+| SuppressTokensAtBeginLogitsProcessor  | tensor form (`length == begin_index`)     |
+| MinLengthLogitsProcessor              | tensor form (`length < min_length`)       |
+| MinNewTokensLengthLogitsProcessor     | tensor form (`length - prompt < min_new`) |
+| ForcedBOSTokenLogitsProcessor         | tensor form (`length == 1`)               |
+| ForcedEOSTokenLogitsProcessor         | tensor form (`length == max_length - 1`)  |
+| RepetitionPenaltyLogitsProcessor      | tensor form (tokens past `length` masked) |
+| NoRepeatNGramLogitsProcessor          | tensor form (n-grams ending past `length` masked) |
+| NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor | tensor form (prefixes read at `length`) |
+| EncoderNoRepeatNGramLogitsProcessor   | tensor form (the encoder's n-grams as tensors) |
+| ExponentialDecayLengthPenalty         | tensor form (`length > start`, the power in float64) |
+| WhisperTimeStampLogitsProcessor       | tensor form (the generated tokens from `begin_index` to `length`) |
+| cachelife's OccurrencePenalty (`penalties`) | tensor form (tokens from the prompt's end to `length` counted) |
 
 Whisper's generate moves the begin index of its processors to each segment's decoder prompt
-(`set_begin_index`) before it calls the decoding method; the rewrites read it when the method converts them.
+(`set_begin_index`) before it calls the decoding method; the tensor processors read it when the method converts them.
 Any other processor (custom lists, `prefix_allowed_tokens_fn`, Whisper's no-speech detection, ...) is named by
 `unsupported_processor` so that the caller can fall back to transformers' own loop.
 """
@@ -49,7 +49,7 @@ from transformers.generation import logits_process as lp
 
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.penalties import OccurrencePenalty, Occurrences
-from cachelife.generation.rewrites import (
+from cachelife.generation.tensor_processors import (
     EncoderNoRepeatNGram,
     Eta,
     ExponentialDecay,
@@ -90,7 +90,7 @@ class Called:
         return result
 
 
-# Attributes the rewrites read, as transformers 5.24 names them; a version without them falls back.
+# Attributes the tensor processors read, as transformers 5.24 names them; a version without them falls back.
 _READS: dict[type[lp.LogitsProcessor], tuple[str, ...]] = {
     lp.RepetitionPenaltyLogitsProcessor: ("penalty", "prompt_ignore_length"),
     lp.SequenceBiasLogitsProcessor: ("sequence_bias", "prepared_bias_variables"),
@@ -128,7 +128,7 @@ _ARGUMENT_OF: dict[str, str] = {
 def unsupported_processor(processors: Sequence[lp.LogitsProcessor]) -> str | None:
     """The argument behind the first processor that `tensor_processors` cannot run (a custom processor by its
     class), or None."""
-    known = (*_CALLED, *_REWRITTEN)
+    known = (*_CALLED, *_AS_TENSORS)
     for processor in processors:
         kind = type(processor)
         if kind not in known:
@@ -267,7 +267,7 @@ def _whisper_timestamps(processor: lp.WhisperTimeStampLogitsProcessor, device: t
     )  # fmt: skip
 
 
-_REWRITTEN: tuple[type[lp.LogitsProcessor], ...] = (
+_AS_TENSORS: tuple[type[lp.LogitsProcessor], ...] = (
     lp.SuppressTokensAtBeginLogitsProcessor,
     lp.MinLengthLogitsProcessor,
     lp.MinNewTokensLengthLogitsProcessor,

@@ -23,9 +23,9 @@ from transformers.modeling_outputs import BaseModelOutput
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
-from cachelife.generation.regions import own_code, specialization
 from cachelife.generation.repeatable import with_repeatable_attention, within_restricted_switches
 from cachelife.generation.states import StateLeases
+from cachelife.generation.step_code import own_code, specialization
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compiled import InductorOptions, mode_with
@@ -122,8 +122,8 @@ def input_name(model: PreTrainedModel) -> str:
 def compiled_step(
     model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions, *, kind: object
 ) -> StepFunction:
-    """`function` compiled for `model`, in a region of its own per mode, options and `kind` of arguments
-    (`cachelife.generation.regions`), its attention restricted to backends that repeat exactly
+    """`function` compiled for `model`, with a code object of its own per mode, options and `kind` of arguments
+    (`cachelife.generation.step_code`), its attention restricted to backends that repeat exactly
     (`cachelife.generation.repeatable`)."""
     functions = runtime_of(model).compiled
     key = (name, mode, repr(sorted(extra.items())), kind)

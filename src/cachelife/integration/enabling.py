@@ -18,7 +18,7 @@ from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
 from cachelife.integration.runtime import Released, existing_runtime
-from cachelife.kernels.attention_implementation import check_decode_attention
+from cachelife.model_rewrites.decode_attention import check_decode_attention
 from cachelife.validate import check_bool, check_int
 
 
@@ -44,17 +44,17 @@ def enable(
     `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that fits,
     so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
     `fuse_projections=True` computes each layer's self-attention query, key and value, and a gated MLP's gate
-    and up projections, as one matrix product (`cachelife.kernels.fusion`: the weights are concatenated once,
-    here, and the parameters become views of them, so memory stays as it was but for zeros standing in for a
-    missing bias); `disable`, or a later `enable` without it, restores the projections exactly.
+    and up projections, as one matrix product (`cachelife.model_rewrites.fused_projections`: the weights are
+    concatenated once, here, and the parameters become views of them, so memory stays as it was but for zeros
+    standing in for a missing bias); `disable`, or a later `enable` without it, restores the projections exactly.
     `decode_attention=True` sets cachelife's split-KV attention kernel for one query as the attention
     implementation of every config the model holds, for self- and cross-attention
-    (`cachelife.kernels.attention_implementation`; transformers' SDPA for prompts); `disable`, or a later
+    (`cachelife.model_rewrites.decode_attention`; transformers' SDPA for prompts); `disable`, or a later
     `enable` without it, gives each config its previous implementation back. `small_linear=True` runs every
     decoding step's linear products of at most 16 rows (a step's batch) through cachelife's Triton kernel for
     few rows (`cachelife.kernels.linear`; torch's product where Triton does not run); nothing in the model
     changes. `compile_regions=True` marks every layer of the model's stacks of identical layers as a compile
-    region (`cachelife.kernels.layer_regions`), so that a compiled step compiles one layer's code and calls it
+    region (`cachelife.model_rewrites.layer_regions`), so that a compiled step compiles one layer's code and calls it
     for every layer: a shorter first call; `disable`, or a later `enable` without it, restores the layers.
     Changing any of the four releases the model's runtime (`release`). Fails at once, before anything
     is patched, if an argument is invalid (`InvalidArgumentError`), the model is no transformers generation

@@ -49,10 +49,10 @@ from cachelife.integration.compiled import is_compiled
 from cachelife.integration.replaced import ReplacedTensors
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.integration.skips import SkipReporter
-from cachelife.kernels import fusion
-from cachelife.kernels.attention_implementation import AttentionSwitch, use_decode_attention
-from cachelife.kernels.fusion import FusedProjections
-from cachelife.kernels.layer_regions import LayerRegions, mark_layer_regions
+from cachelife.model_rewrites import fused_projections
+from cachelife.model_rewrites.decode_attention import AttentionSwitch, use_decode_attention
+from cachelife.model_rewrites.fused_projections import FusedProjections
+from cachelife.model_rewrites.layer_regions import LayerRegions, mark_layer_regions
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 @define(eq=False)
 class DecodingGuard:
     """What `enable` installs on one model: two forward hooks and three wrapped methods, with `fuse_projections`
-    the model's fused projections (`cachelife.kernels.fusion`) and with `decode_attention` cachelife's decode
-    attention as its attention implementation (`cachelife.kernels.attention_implementation`); with
-    `small_linear` the decoding steps run their products of few rows through `cachelife.kernels.linear`; with
+    the model's fused projections (`cachelife.model_rewrites.fused_projections`) and with `decode_attention`
+    cachelife's decode attention as its attention implementation (`cachelife.model_rewrites.decode_attention`);
+    with `small_linear` the decoding steps run their products of few rows through `cachelife.kernels.linear`; with
     `compile_regions` the layers of its stacks of identical layers are compile regions
-    (`cachelife.kernels.layer_regions`). It holds the model's settings; the model's buffers, graphs and pool
+    (`cachelife.model_rewrites.layer_regions`). It holds the model's settings; the model's buffers, graphs and pool
     belong to its runtime (`cachelife.integration.runtime`).
 
     A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
@@ -124,11 +124,11 @@ class DecodingGuard:
         with runtime.lock:
             self._products = self.small_linear
             if fuse and self._fusion is None:
-                self._fusion = fusion.fuse_projections(model)
+                self._fusion = fused_projections.fuse_projections(model)
                 if not self._fusion.groups:
                     logger.warning(
                         "fuse_projections=True: no projections of %s can be fused (%d group(s) left as they are; "
-                        "DEBUG logging of cachelife.kernels.fusion says why)",
+                        "DEBUG logging of cachelife.model_rewrites.fused_projections says why)",
                         type(model).__name__,
                         len(self._fusion.skipped),
                     )

@@ -11,7 +11,7 @@ float32 for bfloat16, float16 and float32 inputs.
 `decode_attention` runs the custom op `cachelife::decode_attention`: Triton kernels on CUDA tensors, and on
 CPU tensors under `TRITON_INTERPRET=1`; plain torch ops everywhere else. Its fake implementation lets dynamo
 trace it with `fullgraph=True`; the number of splits depends on static shapes only, so the op captures in CUDA
-graphs. `cachelife.kernels.attention_implementation` makes it a transformers attention implementation.
+graphs. `cachelife.model_rewrites.decode_attention` makes it a transformers attention implementation.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import lifecycle
-from cachelife.generation.regions import specialization
+from cachelife.generation.step_code import specialization
 from cachelife.generation.steps import LoopSettings, compiled_step, stepper, uses_own_graphs
 from cachelife.integration.runtime import FIRST_CALLS
 

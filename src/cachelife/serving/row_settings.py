@@ -44,7 +44,7 @@ from transformers.generation import logits_process as lp
 
 from cachelife.generation.greedy import append
 from cachelife.generation.penalties import OccurrencePenalty, occurrence_penalised
-from cachelife.generation.rewrites import repetition_penalised
+from cachelife.generation.tensor_processors import repetition_penalised
 
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
 

@@ -30,10 +30,16 @@ from transformers import PreTrainedModel
 from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.penalties import Occurrences
 from cachelife.generation.processors import Called, TensorProcessor
-from cachelife.generation.rewrites import ForceAt, NoEosBefore, RepetitionPenalty, SuppressAtBegin, WhisperTimestamps
+from cachelife.generation.tensor_processors import (
+    ForceAt,
+    NoEosBefore,
+    RepetitionPenalty,
+    SuppressAtBegin,
+    WhisperTimestamps,
+)
 from cachelife.serving.row_settings import RowSettings, pick, process
 
-# The rewritten processors' fields that hold a position of one request, held per row in a program.
+# The tensor processors' fields that hold a position of one request, held per row in a program.
 ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
     SuppressAtBegin: ("begin_index",),
     NoEosBefore: ("minimum", "skip"),
@@ -43,7 +49,7 @@ ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
 }
 # The key of the per-row pipeline's programs (with whether it runs the sampling stages).
 PER_ROW: Final = "per-row"
-# Processors the engine's per-row step runs: those that read only the scores, and the rewrites whose
+# Processors the engine's per-row step runs: those that read only the scores, and the tensor processors whose
 # arithmetic holds with one length per row.
 _ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty, Occurrences, WhisperTimestamps)
 
@@ -193,7 +199,7 @@ def per_row_buffers(
             torch._dynamo.mark_static_address(buffer)
             buffers[name] = buffer
             per_row.append(buffer)
-        made.append(attrs.evolve(processor, **buffers))  # type: ignore[misc]  # the rewrites are attrs classes
+        made.append(attrs.evolve(processor, **buffers))  # type: ignore[misc]  # the tensor processors are attrs classes
     return tuple(made), tuple(per_row)
 
 

@@ -19,8 +19,8 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from cachelife.errors import UnsupportedGenerationError
-from cachelife.kernels.attention_implementation import AttentionSwitch, check_decode_attention, use_decode_attention
 from cachelife.kernels.triton_support import triton_runs_on
+from cachelife.model_rewrites.decode_attention import AttentionSwitch, check_decode_attention, use_decode_attention
 from cachelife.validate import check_choice
 
 logger = logging.getLogger(__name__)

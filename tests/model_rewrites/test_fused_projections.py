@@ -1,6 +1,6 @@
-"""Fused projections (`cachelife.enable(model, fuse_projections=True)`, `cachelife.kernels.fusion`): one matrix
-product per group of projections that read one input, the tokens of the unfused model, and `disable` giving the
-model back exactly.
+"""Fused projections (`cachelife.enable(model, fuse_projections=True)`,
+`cachelife.model_rewrites.fused_projections`): one matrix product per group of projections that read one input,
+the tokens of the unfused model, and `disable` giving the model back exactly.
 
 Every test also checks that fusion took place (fewer products, parameters lying in the fused buffers), so that
 equality tests the fused model and not its absence. The slow tests compile the decoding step with CPU inductor
@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel, T5Config, T5ForConditionalGeneration
 
 import cachelife
-from cachelife.kernels.fusion import FusedProjections, fuse_projections
+from cachelife.model_rewrites.fused_projections import FusedProjections, fuse_projections
 from cachelife.tools import zoo
 
 MODELS = ["llama", "t5", "t5-gated", "bart", "whisper"]

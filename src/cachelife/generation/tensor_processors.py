@@ -1,4 +1,4 @@
-"""transformers' logits processors that read `input_ids`, rewritten as tensor operations of (tokens, length,
+"""transformers' logits processors that read `input_ids`, expressed as tensor operations of (tokens, length,
 scores) for a compiled step: the same arithmetic, the length a 0-dim tensor and the tokens a fixed-size buffer,
 so that every position shares one compiled step (see `processors`, which picks them)."""
 

@@ -1,4 +1,4 @@
-"""One compiled region per step function, model and specialization.
+"""A code object of its own for each compiled step function, model and specialization.
 
 dynamo keeps the entries it compiles per code object and, under `fullgraph=True`, raises
 `FailOnRecompileLimitHit` once one code object holds `torch._dynamo.config.recompile_limit` entries (8 by
@@ -8,9 +8,9 @@ functions are the same code for every model, and dynamo specializes them on each
 a service that met a few models and settings failed on the next one.
 
 Each compiled step gets a copy of its function with a code object of its own (`own_code`), per model and per
-`specialization` of its arguments, so that dynamo's limit counts only what one region varies in: shapes and
-numbers (a size that changed is compiled dynamic at the region's next compilation). A specialization that this
-key misses is still guarded by dynamo (a recompilation in the region), so the key decides how entries are
+`specialization` of its arguments, so that dynamo's limit counts only what one copy varies in: shapes and
+numbers (a size that changed is compiled dynamic at the copy's next compilation). A specialization that this
+key misses is still guarded by dynamo (a recompilation of that copy), so the key decides how entries are
 grouped, never which code runs.
 """
 

@@ -1,5 +1,5 @@
 """`cachelife.enable(model, compile_regions=True)`: the layers of a model's stacks of identical layers as nested
-compile regions (`cachelife.kernels.layer_regions`): one compiled region per layer class, eager tokens from the
+compile regions (`cachelife.model_rewrites.layer_regions`): one compiled region per layer class, eager tokens from the
 compiled step, and every layer's `forward` restored by `disable` and in a deep copy.
 """
 
@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 import cachelife
 from cachelife.errors import InvalidArgumentError
-from cachelife.kernels.layer_regions import UNMARKED, mark_layer_regions, stacks
+from cachelife.model_rewrites.layer_regions import UNMARKED, mark_layer_regions, stacks
 from cachelife.tools import zoo
 
 NEW = 6

@@ -1,5 +1,5 @@
 """Compiled steps and dynamo's recompile limit: each model and each kind of generation settings compiles its
-step in a region of its own (`cachelife.generation.regions`), so a process that meets more settings and
+step with a code object of its own (`cachelife.generation.step_code`), so a process that meets more settings and
 models than `torch._dynamo.config.recompile_limit` still decodes every call, with `model.generate`'s tokens."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cachelife
-from cachelife.generation.regions import own_code, specialization
+from cachelife.generation.step_code import own_code, specialization
 from cachelife.tools import zoo
 
 # Deterministic settings that each trace another step: processors of other kinds, or none.
@@ -19,7 +19,7 @@ SETTINGS: list[dict[str, Any]] = [{}, {"repetition_penalty": 1.3}, {"no_repeat_n
 
 def test_more_settings_and_models_than_the_recompile_limit_decode_as_generate() -> None:
     models = [zoo.build("t5"), zoo.build("llama")]
-    # Two entries per code object: without regions of their own, the third step traced raises
+    # Two entries per code object: without code objects of their own, the third step traced raises
     # FailOnRecompileLimitHit (under fullgraph=True), as the ninth did at dynamo's default of 8.
     with torch._dynamo.config.patch(recompile_limit=2):
         for built in models:
