@@ -67,6 +67,7 @@ from cachelife.integration.enabling import (
     release,
     release_pool,
 )
+from cachelife.integration.options import EXACT, FAST, Options
 from cachelife.integration.runtime import ModelRuntime, Released, runtime_of
 from cachelife.integration.warm_start import (
     CompileArtifactsHeader,
@@ -80,6 +81,8 @@ from cachelife.serving.stats import EngineStats
 from cachelife.version import __version__
 
 __all__ = [
+    "EXACT",
+    "FAST",
     "FAST_KERNELS",
     "TRANSITIONS",
     "Buffers",
@@ -110,6 +113,7 @@ __all__ = [
     "ModelRuntime",
     "NoCompileArtifactsError",
     "NoStorage",
+    "Options",
     "PinSpec",
     "Pinned",
     "QueueFullError",

@@ -225,7 +225,9 @@ GPU_CASES = [*((path, True) for path in GPU_PATHS), ("enabled", False)]
 def test_four_identical_calls_give_identical_tokens_and_scores_on_cuda(path: str, padded: bool) -> None:
     model = llama_1b_layers()
     if path == "kernel-options":
-        cachelife.enable(model, fuse_projections=True, decode_attention=True, small_linear=True)
+        cachelife.enable(
+            model, options=cachelife.Options(fuse_projections=True, decode_attention=True, small_linear=True)
+        )
     elif path != "not-enabled":
         cachelife.enable(model)
     inputs = padded_batch(model, padded=padded)

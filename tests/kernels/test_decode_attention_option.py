@@ -1,4 +1,4 @@
-"""`cachelife.enable(model, decode_attention=True)`: cachelife's decode attention as an enabled model's attention
+"""`cachelife.Options(decode_attention=True)`: cachelife's decode attention as an enabled model's attention
 implementation, eager tokens from `cachelife.generate`, and `disable` giving every config its implementation back.
 
 Every token test also counts the op's calls, so that equality tests the kernel and not its absence. Without
@@ -51,7 +51,7 @@ def test_cachelife_generate_takes_the_kernel_with_eager_tokens(name: str) -> Non
     built = zoo.build(name)
     model, inputs = built.model, built.inputs(2, 7, 1)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, decode_attention=True)
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     assert implementations(model) == [ATTENTION] * len(configs(model))
     calls, tokens = op_calls_and_tokens(model, inputs, compile_step=False)
     assert calls == OP_CALLS[name]
@@ -66,7 +66,7 @@ def test_the_compiled_step_takes_the_kernel_with_eager_tokens(name: str) -> None
     built = zoo.build(name)
     model, inputs = built.model, built.inputs(2, 7, 1)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, decode_attention=True, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True, fuse_projections=True))
     calls, tokens = op_calls_and_tokens(model, inputs)
     assert calls > 0
     assert torch.equal(tokens, expected)
@@ -79,12 +79,12 @@ def test_disable_and_enable_without_it_give_each_config_its_implementation_back(
     before = implementations(model)
     assert before == ["eager", "sdpa", "sdpa"]
     switched = [ATTENTION] * 3
-    cachelife.enable(model, decode_attention=True)
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     assert implementations(model) == switched
     cachelife.disable(model)
     assert implementations(model) == before
-    cachelife.enable(model, decode_attention=True)
-    cachelife.enable(model, decode_attention=True)  # unchanged: nothing happens
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True))
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True))  # unchanged: nothing happens
     assert implementations(model) == switched
     cachelife.enable(model)
     assert cachelife.is_enabled(model)
@@ -97,28 +97,19 @@ def test_switching_releases_the_runtime() -> None:
     cachelife.enable(model)
     cachelife.generate(model, compile_step=False, **inputs, **SETTINGS)
     assert len(cachelife.runtime_of(model).states) > 0
-    cachelife.enable(model, decode_attention=True)
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     assert len(cachelife.runtime_of(model).states) == 0  # compiled steps and graphs called the other attention
 
 
 def test_a_deep_copy_is_switched_and_restored_on_its_own() -> None:
     model = zoo.build("whisper").model
     before = implementations(model)
-    cachelife.enable(model, decode_attention=True)
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     twin = copy.deepcopy(model)
     assert implementations(twin) == [ATTENTION] * len(before)
     cachelife.disable(twin)
     assert implementations(twin) == before
     assert implementations(model) == [ATTENTION] * len(before)
-
-
-def test_decode_attention_is_refused_unless_a_bool() -> None:
-    model = zoo.build("llama").model
-    before = implementations(model)
-    with pytest.raises(cachelife.InvalidArgumentError, match="decode_attention must be True or False, got 'yes'"):
-        cachelife.enable(model, decode_attention="yes")  # type: ignore[arg-type]  # the mistake under test
-    assert not cachelife.is_enabled(model)
-    assert implementations(model) == before
 
 
 class OwnAttention(nn.Module):
@@ -145,14 +136,15 @@ def test_a_model_with_a_part_of_its_own_attention_is_refused_before_anything_cha
     before = implementations(model)
     refusal = "OwnAttentionModel computes attention outside transformers' attention interface"
     with pytest.raises(cachelife.UnsupportedGenerationError, match=refusal):
-        cachelife.enable(model, decode_attention=True)
+        cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     assert not cachelife.is_enabled(model)
     cachelife.enable(model)
     with pytest.raises(cachelife.UnsupportedGenerationError, match=refusal):
-        cachelife.enable(model, decode_attention=True, fuse_projections=True)
+        cachelife.enable(model, options=cachelife.Options(decode_attention=True, fuse_projections=True))
     assert implementations(model) == before
     assert not any("cachelife_fused" in name for name, _ in model.named_buffers())
-    cachelife.enable(model, fuse_projections=True)  # the settings were left as they were: this fuses
+    # The settings were left as they were: this fuses.
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert any("cachelife_fused" in name for name, _ in model.named_buffers())
 
 
@@ -169,7 +161,7 @@ def test_the_kernel_is_enabled_without_a_warning(
 
         monkeypatch.setattr(type(model), "device", property(on))
         with caplog.at_level(logging.WARNING, logger="cachelife"):
-            cachelife.enable(model, decode_attention=True)
+            cachelife.enable(model, options=cachelife.Options(decode_attention=True))
         assert model.device == device
         assert not caplog.records, caplog.text
         cachelife.disable(model)

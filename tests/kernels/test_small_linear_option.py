@@ -1,6 +1,6 @@
-"""`cachelife.enable(model, small_linear=True)`: the decoding steps' linear products of one row and few output
-features through `cachelife.kernels.linear`, with eager tokens; turning it off; and `SmallLinearProducts`, which
-routes them.
+"""`cachelife.Options(small_linear=True)`: the decoding steps' linear products of one row and few output features
+through `cachelife.kernels.linear`, with eager tokens; turning it off; and `SmallLinearProducts`, which routes
+them.
 
 Every token test also counts the op's calls, so that equality tests the kernel and not its absence. Without
 Triton (or without `TRITON_INTERPRET=1`) the op runs torch's product; with both, Triton's interpreter.
@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 import cachelife
-from cachelife.errors import InvalidArgumentError
-from cachelife.integration.enabling import small_linear_of
+from cachelife.integration.enabling import options_of
 from cachelife.kernels.linear import TAKEN_FEATURES, SmallLinearProducts
 from cachelife.tools import zoo
 
@@ -55,7 +54,7 @@ def test_cachelife_generate_takes_the_kernel_with_eager_tokens(name: str) -> Non
     built = zoo.build(name)
     model, inputs = built.model, built.inputs(1, 7, 1)  # one row: the products the mode takes
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, small_linear=True)
+    cachelife.enable(model, options=cachelife.Options(small_linear=True))
     calls, tokens = calls_and_tokens(model, inputs, compile_step=False)
     check_steps_took_the_op(calls)
     assert torch.equal(tokens, expected)
@@ -67,7 +66,7 @@ def test_the_compiled_step_takes_the_kernel_with_eager_tokens(name: str) -> None
     built = zoo.build(name)
     model, inputs = built.model, built.inputs(1, 7, 1)  # one row: the products the mode takes
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, small_linear=True)
+    cachelife.enable(model, options=cachelife.Options(small_linear=True))
     compiling = cachelife.generate(model, fallback=False, **inputs, **SETTINGS)  # a profile of it counts tracing
     calls, tokens = calls_and_tokens(model, inputs)
     check_steps_took_the_op(calls)
@@ -79,32 +78,24 @@ def test_the_compiled_step_takes_the_kernel_with_eager_tokens(name: str) -> None
 def test_turning_it_off_releases_the_steps_that_took_it() -> None:
     built = zoo.build("llama")
     model, inputs = built.model, built.inputs(1, 5, 2)
-    cachelife.enable(model, small_linear=True)
+    cachelife.enable(model, options=cachelife.Options(small_linear=True))
     on, first = calls_and_tokens(model, inputs, compile_step=False)
     check_steps_took_the_op(on)
-    cachelife.enable(model, small_linear=False)
+    cachelife.enable(model)
     off, second = calls_and_tokens(model, inputs, compile_step=False)
     assert off == 0
     assert torch.equal(first, second)
-    cachelife.enable(model, small_linear=True)
+    cachelife.enable(model, options=cachelife.Options(small_linear=True))
     assert calls_and_tokens(model, inputs, compile_step=False)[0] == on
 
 
-def test_small_linear_is_refused_unless_a_bool() -> None:
-    model = zoo.build("llama").model
-    cachelife.enable(model, small_linear=True)
-    with pytest.raises(InvalidArgumentError, match="small_linear"):
-        cachelife.enable(model, small_linear="yes")  # type: ignore[arg-type]  # what the test is about
-    assert small_linear_of(model)
-
-
 def test_a_deep_copy_keeps_the_setting_and_drops_it_on_its_own() -> None:
-    model = cachelife.enable(zoo.build("llama").model, small_linear=True)
+    model = cachelife.enable(zoo.build("llama").model, options=cachelife.Options(small_linear=True))
     twin = copy.deepcopy(model)
-    assert small_linear_of(twin)
+    assert options_of(twin).small_linear
     cachelife.disable(twin)
-    assert not small_linear_of(twin)
-    assert small_linear_of(model)
+    assert not options_of(twin).small_linear
+    assert options_of(model).small_linear
 
 
 @pytest.mark.parametrize(("rows", "features", "taken"), [(1, 12, True), (1, TAKEN_FEATURES, True),
@@ -148,7 +139,7 @@ def test_graphs_take_the_kernel_with_eager_tokens_on_cuda(name: str) -> None:
     built = zoo.build(name, device="cuda")
     inputs = built.inputs(1, 9, 1)
     expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=24, min_new_tokens=24)
-    model = cachelife.enable(built.model, small_linear=True)
+    model = cachelife.enable(built.model, options=cachelife.Options(small_linear=True))
     with profiled() as profile:
         first = cachelife.generate(model, fallback=False, max_new_tokens=24, min_new_tokens=24, **inputs)
     again = cachelife.generate(model, fallback=False, max_new_tokens=24, min_new_tokens=24, **inputs)

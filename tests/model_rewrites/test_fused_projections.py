@@ -1,4 +1,4 @@
-"""Fused projections (`cachelife.enable(model, fuse_projections=True)`,
+"""Fused projections (`cachelife.Options(fuse_projections=True)`,
 `cachelife.model_rewrites.fused_projections`): one matrix product per group of projections that read one input,
 the tokens of the unfused model, and `disable` giving the model back exactly.
 
@@ -126,7 +126,7 @@ def test_eager_tokens_equal_unfused_with_fewer_products(name: str) -> None:
     greedy = zoo.generate_tokens(model, inputs, **SETTINGS)
     beams = zoo.generate_tokens(model, inputs, **BEAMS)
     unfused_calls = linear_calls(lambda: model.generate(**inputs, **SETTINGS))
-    cachelife.enable(model, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert_fused(model)
     assert linear_calls(lambda: model.generate(**inputs, **SETTINGS)) < unfused_calls
     assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS), greedy)
@@ -158,7 +158,7 @@ def test_disable_restores_the_model_exactly(name: str) -> None:
     before = snapshot(model)
     kept = list(model.parameters())  # the objects themselves: ids above stay unique while these live
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert_fused(model)
     assert snapshot(model)["state"].keys() == before["state"].keys()  # fused buffers are not persistent
     cachelife.disable(model)
@@ -182,23 +182,15 @@ def test_enable_again_without_fusion_restores_and_releases() -> None:
     assert not fused_buffers(model)
     cachelife.generate(model, compile_step=False, **inputs, **SETTINGS)
     assert len(cachelife.runtime_of(model).states) > 0
-    cachelife.enable(model, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert_fused(model)
     assert len(cachelife.runtime_of(model).states) == 0  # released: graphs and steps read the old weights
-    cachelife.enable(model, fuse_projections=True)  # unchanged: nothing happens
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))  # unchanged: nothing happens
     assert_fused(model)
     cachelife.enable(model)
     assert cachelife.is_enabled(model)
     assert not fused_buffers(model)
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
-
-
-def test_fuse_projections_is_refused_unless_a_bool() -> None:
-    model = build("llama").model
-    with pytest.raises(cachelife.InvalidArgumentError, match="fuse_projections must be True or False"):
-        cachelife.enable(model, fuse_projections="yes")  # type: ignore[arg-type]  # the mistake under test
-    assert not cachelife.is_enabled(model)
-    assert not fused_buffers(model)
 
 
 def bias_free_outputs(fused: FusedProjections) -> int:
@@ -299,7 +291,7 @@ def test_a_deep_copy_of_a_fused_model_is_fused_and_restored_on_its_own() -> None
     built = build("whisper")
     model, inputs = built.model, built.inputs(2, 7, 1)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     twin = copy.deepcopy(model)
     assert torch.equal(zoo.generate_tokens(twin, inputs, **SETTINGS), expected)
     assert_fused(twin)
@@ -387,7 +379,7 @@ def test_compiled_step_has_fewer_matrix_products_and_the_same_tokens(name: str) 
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     unfused_tokens, unfused = generate_compiled(model, inputs, SETTINGS)
     assert torch.equal(unfused_tokens, expected)
-    cachelife.enable(model, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     fused_tokens, fused = generate_compiled(model, inputs, SETTINGS)
     assert torch.equal(fused_tokens, expected)
     assert unfused - fused == SAVED_PER_STEP[name], (unfused, fused)
@@ -401,7 +393,7 @@ def test_compiled_beam_search_equals_unfused(name: str) -> None:
     built = build(name)
     model, inputs = built.model, built.inputs(2, 7, 1)
     expected = zoo.generate_tokens(model, inputs, **BEAMS)
-    cachelife.enable(model, fuse_projections=True)
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert_fused(model)
     fused_tokens, _ = generate_compiled(model, inputs, BEAMS)
     assert torch.equal(fused_tokens, expected)

@@ -1,4 +1,4 @@
-"""`cachelife.enable(model, compile_regions=True)`: the layers of a model's stacks of identical layers as nested
+"""`cachelife.Options(compile_regions=True)`: the layers of a model's stacks of identical layers as nested
 compile regions (`cachelife.model_rewrites.layer_regions`): one compiled region per layer class, eager tokens from the
 compiled step, and every layer's `forward` restored by `disable` and in a deep copy.
 """
@@ -14,7 +14,6 @@ import torch
 from transformers import PreTrainedModel
 
 import cachelife
-from cachelife.errors import InvalidArgumentError
 from cachelife.model_rewrites.layer_regions import UNMARKED, mark_layer_regions, stacks
 from cachelife.tools import zoo
 
@@ -54,7 +53,7 @@ def traced_regions(model: PreTrainedModel, **inputs: Any) -> tuple[int, set[str]
 
 def test_the_layers_of_a_stack_share_one_region() -> None:
     built = zoo.build("llama-small")
-    model = cachelife.enable(built.model, compile_regions=True)
+    model = cachelife.enable(built.model, options=cachelife.Options(compile_regions=True))
     calls, regions = traced_regions(model, **built.inputs(1, 5, 1))
     assert calls == len(decoder_layers(model)) == 4
     assert len(regions) == 1
@@ -79,7 +78,7 @@ def test_the_compiled_step_with_regions_has_eager_tokens(name: str) -> None:
     built = zoo.build(name)
     model, inputs = built.model, built.inputs(2, 7, 1)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
-    cachelife.enable(model, compile_regions=True)
+    cachelife.enable(model, options=cachelife.Options(compile_regions=True))
     for _ in range(2):
         tokens = cachelife.generate(model, fallback=False, **inputs, **SETTINGS)
         assert isinstance(tokens, torch.Tensor)
@@ -93,7 +92,7 @@ def test_disable_gives_each_layer_its_forward_back() -> None:
     kept = layers[0].forward
     layers[0].forward = kept  # an instance attribute before enable (as accelerate's hooks set one)
     before = {id(layer): dict(layer.__dict__) for layer in layers}
-    cachelife.enable(model, compile_regions=True)
+    cachelife.enable(model, options=cachelife.Options(compile_regions=True))
     assert all("forward" in layer.__dict__ and UNMARKED in layer.__dict__ for layer in layers)
     cachelife.disable(model)
     for layer in layers:
@@ -104,7 +103,7 @@ def test_disable_gives_each_layer_its_forward_back() -> None:
 def test_turning_it_off_restores_the_layers_and_releases_the_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
     built = zoo.build("llama")
     model, inputs = built.model, built.inputs(1, 5, 2)
-    cachelife.enable(model, compile_regions=True)
+    cachelife.enable(model, options=cachelife.Options(compile_regions=True))
     first = cachelife.generate(model, fallback=False, compile_step=False, **inputs, **SETTINGS)
     runtime = cachelife.runtime_of(model)
     release = type(runtime).release
@@ -115,19 +114,19 @@ def test_turning_it_off_restores_the_layers_and_releases_the_runtime(monkeypatch
         return release(self)
 
     monkeypatch.setattr(type(runtime), "release", counted)
-    cachelife.enable(model, compile_regions=False)
+    cachelife.enable(model)
     assert released == [runtime]
     assert not any(UNMARKED in layer.__dict__ for layer in decoder_layers(model))
     second = cachelife.generate(model, fallback=False, compile_step=False, **inputs, **SETTINGS)
     assert isinstance(first, torch.Tensor)
     assert isinstance(second, torch.Tensor)
     assert torch.equal(first, second)
-    cachelife.enable(model, compile_regions=False)
+    cachelife.enable(model)
     assert released == [runtime]  # no change, nothing released
 
 
 def test_a_deep_copy_has_regions_of_its_own_layers() -> None:
-    model = cachelife.enable(zoo.build("llama").model, compile_regions=True)
+    model = cachelife.enable(zoo.build("llama").model, options=cachelife.Options(compile_regions=True))
     twin = copy.deepcopy(model)
     for original, copied in zip(decoder_layers(model), decoder_layers(twin), strict=True):
         assert bound_to(copied.forward) is copied
@@ -136,13 +135,6 @@ def test_a_deep_copy_has_regions_of_its_own_layers() -> None:
     cachelife.disable(twin)
     assert not any("forward" in layer.__dict__ for layer in decoder_layers(twin))
     assert all(UNMARKED in layer.__dict__ for layer in decoder_layers(model))
-
-
-def test_compile_regions_is_refused_unless_a_bool() -> None:
-    model = zoo.build("llama").model
-    with pytest.raises(InvalidArgumentError, match="compile_regions"):
-        cachelife.enable(model, compile_regions=1)  # type: ignore[arg-type]  # what the test is about
-    assert not any(UNMARKED in layer.__dict__ for layer in decoder_layers(model))
 
 
 def test_a_model_without_stacks_marks_nothing() -> None:
@@ -163,7 +155,7 @@ def test_graphs_with_regions_have_eager_tokens_on_cuda(name: str) -> None:
     built = zoo.build(name, device="cuda")
     inputs = built.inputs(2, 9, 1)
     expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=24, min_new_tokens=24)
-    model = cachelife.enable(built.model, compile_regions=True)
+    model = cachelife.enable(built.model, options=cachelife.Options(compile_regions=True))
     for _ in range(2):
         tokens = cachelife.generate(model, fallback=False, max_new_tokens=24, min_new_tokens=24, **inputs)
         assert isinstance(tokens, torch.Tensor)

@@ -28,8 +28,8 @@ from cachelife.generation.states import StateLeases
 from cachelife.generation.step_code import own_code, specialization
 from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
-from cachelife.integration.compiled import InductorOptions, mode_with
-from cachelife.integration.enabling import pool_of, small_linear_of
+from cachelife.integration.compiled import CompileOptions, mode_with
+from cachelife.integration.enabling import options_of, pool_of
 from cachelife.integration.runtime import FIRST_CALLS, runtime_of
 from cachelife.kernels.linear import through_small_linear
 
@@ -50,7 +50,7 @@ class LoopSettings:
     generator: torch.Generator | None
     cuda_graphs: CudaGraphs = "cachelife"
     # As cachelife.integration.compiled.checked_options returns them.
-    compile_options: InductorOptions = field(factory=dict)
+    compile_options: CompileOptions = field(factory=dict)
     encoder_buckets: Buckets | None = None
 
 
@@ -120,7 +120,7 @@ def input_name(model: PreTrainedModel) -> str:
 
 
 def compiled_step(
-    model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: InductorOptions, *, kind: object
+    model: PreTrainedModel, name: str, function: StepFunction, mode: str, extra: CompileOptions, *, kind: object
 ) -> StepFunction:
     """`function` compiled for `model`, with a code object of its own per mode, options and `kind` of arguments
     (`cachelife.generation.step_code`), its attention restricted to backends that repeat exactly
@@ -159,9 +159,9 @@ def stepper(
     steps (CUDA graphs of torch's cudagraph trees with `cuda_graphs="torch"`), or run eagerly. `rewind` and
     `live_settings` are `GraphedSteps`'; `fixed_buffers` says that the caller keeps its caches for the steps'
     whole life (an engine's), so no pool is needed to keep their addresses. A model enabled with
-    `small_linear=True` runs its steps within `cachelife.kernels.linear.SmallLinearProducts`."""
+    `Options(small_linear=True)` runs its steps within `cachelife.kernels.linear.SmallLinearProducts`."""
     spc, device = settings.steps_per_call, model.device
-    if small_linear_of(model):
+    if options_of(model).small_linear:
         function, name = through_small_linear(function), f"{name} with small_linear"
     if uses_own_graphs(settings, device):
         if not fixed_buffers and pool_of(model) is None and runtime_of(model).warn_once(("no pool",)):

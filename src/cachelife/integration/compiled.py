@@ -21,6 +21,8 @@ _ORIGINAL = "_torchdynamo_orig_callable"
 
 # What torch.compile's `options=` takes.
 InductorOptions = dict[str, str | int | bool | Callable[..., Any]]
+# The inductor options a user adds to cachelife's compiled steps, as `checked_options` checks them.
+CompileOptions = Mapping[str, str | int | bool]
 
 
 def is_compiled(function: object) -> bool:
@@ -59,7 +61,7 @@ def compile_forward(
     return compiled
 
 
-def mode_with(mode: str | None, options: InductorOptions) -> InductorOptions:
+def mode_with(mode: str | None, options: Mapping[str, str | int | bool | Callable[..., Any]]) -> InductorOptions:
     """The inductor options of `mode` with `options` added: what `torch.compile(options=...)` takes for both,
     since it refuses a mode and options together."""
     return {**torch._inductor.list_mode_options(mode or "default"), **options}
@@ -74,11 +76,12 @@ OWNED_OPTIONS = {
 
 
 # The inductor options that cut the decode step's GPU kernel time on an H200 without changing its tokens
-# (docs/generate.md): `cachelife.generate(model, compile_options=cachelife.FAST_KERNELS, ...)`.
+# (docs/generate.md), the compile options of `cachelife.FAST`:
+# `cachelife.generate(model, compile_options=cachelife.FAST_KERNELS, ...)`.
 FAST_KERNELS: Mapping[str, bool] = MappingProxyType({"combo_kernels": True, "coordinate_descent_tuning": True})
 
 
-def checked_options(options: Mapping[str, object] | None) -> InductorOptions:
+def checked_options(options: Mapping[str, object] | None) -> dict[str, str | int | bool]:
     """`options` (a user's inductor options for a compiled step) as `torch.compile(options=)` takes them:
     names `torch._inductor.list_options()` knows, values of str, int or bool, none of `OWNED_OPTIONS`.
     Raises `InvalidArgumentError` naming the first that is not."""
@@ -88,7 +91,7 @@ def checked_options(options: Mapping[str, object] | None) -> InductorOptions:
         msg = f"compile_options: expected a mapping of inductor option names to values, got {type(options).__name__}"
         raise InvalidArgumentError(msg)
     known = set(torch._inductor.list_options())
-    checked: InductorOptions = {}
+    checked: dict[str, str | int | bool] = {}
     for name, value in options.items():
         if name not in known:
             msg = f"compile_options: {name!r} is not an inductor option (torch._inductor.list_options())"

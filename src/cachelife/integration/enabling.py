@@ -7,9 +7,11 @@ between calls is its runtime (`cachelife.integration.runtime`).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 from transformers import PreTrainedModel
 
 from cachelife.core.pool import DEFAULT_BUDGET_BYTES, CachePool
@@ -17,59 +19,54 @@ from cachelife.core.shapes import model_cache_shapes
 from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
+from cachelife.integration.options import EXACT, Options
+from cachelife.integration.rewrites import check_rewrites
 from cachelife.integration.runtime import Released, existing_runtime
-from cachelife.model_rewrites.decode_attention import check_decode_attention
-from cachelife.validate import check_bool, check_int
+from cachelife.validate import check_int
 
 
 def enable(
     model: PreTrainedModel,
     *,
+    options: Options = EXACT,
     on_unpinned: OnUnpinned = "pin",
     pool_bytes: int = DEFAULT_BUDGET_BYTES,
     encoder_buckets: Sequence[int] | None = None,
-    fuse_projections: bool = False,
-    decode_attention: bool = False,
-    small_linear: bool = False,
-    compile_regions: bool = False,
+    fuse_projections: bool | None = None,
+    decode_attention: bool | None = None,
+    small_linear: bool | None = None,
+    compile_regions: bool | None = None,
 ) -> PreTrainedModel:
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
-    Idempotent (a second call updates the settings). `on_unpinned` decides what happens when a cache
+    Idempotent (a second call replaces the settings). `options` (`Options`) are the levers installed on the
+    model: `EXACT` (the default) turns none on, `FAST` the ones that cut the decoding step's kernel time; a change
+    of options releases the model's runtime (`release`). `on_unpinned` decides what happens when a cache
     reaches a forward call unpinned (it was replaced after `generate` prepared it, or built by hand): "pin"
     pins it there and logs a WARNING (the default), "raise" raises `UnpinnedCacheError`. `pool_bytes` is the
     budget of idle pinned buffers kept between `generate` calls so that the next call of the same shape
     decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. `encoder_buckets`
-    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.integration.buckets`), e.g.
-    `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that fits,
-    so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
-    `fuse_projections=True` computes each layer's self-attention query, key and value, and a gated MLP's gate
-    and up projections, as one matrix product (`cachelife.model_rewrites.fused_projections`: the weights are
-    concatenated once, here, and the parameters become views of them, so memory stays as it was but for zeros
-    standing in for a missing bias); `disable`, or a later `enable` without it, restores the projections exactly.
-    `decode_attention=True` sets cachelife's split-KV attention kernel for one query as the attention
-    implementation of every config the model holds, for self- and cross-attention
-    (`cachelife.model_rewrites.decode_attention`; transformers' SDPA for prompts); `disable`, or a later
-    `enable` without it, gives each config its previous implementation back. `small_linear=True` runs every
-    decoding step's linear products of at most 16 rows (a step's batch) through cachelife's Triton kernel for
-    few rows (`cachelife.kernels.linear`; torch's product where Triton does not run); nothing in the model
-    changes. `compile_regions=True` marks every layer of the model's stacks of identical layers as a compile
-    region (`cachelife.model_rewrites.layer_regions`), so that a compiled step compiles one layer's code and calls it
-    for every layer: a shorter first call; `disable`, or a later `enable` without it, restores the layers.
-    Changing any of the four releases the model's runtime (`release`). Fails at once, before anything
-    is patched, if an argument is invalid (`InvalidArgumentError`), the model is no transformers generation
-    model, its shapes cannot be inferred, the buckets are invalid (`InvalidBucketsError`) or unsafe for it, or
-    `decode_attention=True` and a part of the model computes attention outside transformers' attention
-    interface (both `UnsupportedGenerationError`).
+    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.integration.buckets`),
+    e.g. `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that
+    fits, so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
+    `fuse_projections`, `decode_attention`, `small_linear` and `compile_regions` are deprecated: each sets the
+    `Options` field of its name on `options`, with a `DeprecationWarning` naming the value to pass instead.
+    Fails at once, before anything is patched, if an argument is invalid (`InvalidArgumentError`), the model is
+    no transformers generation model, its shapes cannot be inferred, the buckets are invalid
+    (`InvalidBucketsError`) or unsafe for it, or a lever the options turn on does not fit it (both
+    `UnsupportedGenerationError`).
     """
+    options = with_deprecated_levers(
+        options,
+        fuse_projections=fuse_projections,
+        decode_attention=decode_attention,
+        small_linear=small_linear,
+        compile_regions=compile_regions,
+    )
     if on_unpinned not in ("pin", "raise"):
         msg = f"on_unpinned must be 'pin' or 'raise', got {on_unpinned!r}"
         raise InvalidArgumentError(msg)
     check_int("pool_bytes", pool_bytes, minimum=0, note="(0 turns the pool off)")
-    check_bool("fuse_projections", fuse_projections)
-    check_bool("decode_attention", decode_attention)
-    check_bool("small_linear", small_linear)
-    check_bool("compile_regions", compile_regions)
     buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
     existing = guard_of(model)
     if existing is None:
@@ -79,33 +76,44 @@ def enable(
         model_cache_shapes(model)  # fail now, not in the middle of generate
     if buckets is not None:
         check_bucketable(model)
-    if decode_attention:
-        check_decode_attention(model)
+    check_rewrites(model, options)
     if existing is not None:
         existing.on_unpinned = on_unpinned
         existing.pool_bytes = pool_bytes
         existing.encoder_buckets = buckets
-        existing.fuse_projections = fuse_projections
-        existing.decode_attention = decode_attention
-        existing.small_linear = small_linear
-        existing.compile_regions = compile_regions
         existing.pool(model)
-        existing.apply_kernels(model)
+        existing.apply_options(model, options)
         return model
-    guard = DecodingGuard(
-        on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets, fuse_projections=fuse_projections,
-        decode_attention=decode_attention, small_linear=small_linear, compile_regions=compile_regions,
-    )  # fmt: skip
-    guard.apply_kernels(model)
+    guard = DecodingGuard(on_unpinned=on_unpinned, pool_bytes=pool_bytes, encoder_buckets=buckets)
+    guard.apply_options(model, options)
     guard.install(model)
     guard.pool(model)
     return model
 
 
-def small_linear_of(model: object) -> bool:
-    """Whether the model is enabled with `small_linear=True`."""
+def with_deprecated_levers(options: object, **levers: bool | None) -> Options:
+    """`options` (checked to be an `Options`) with the levers `enable` was given as deprecated keywords (those
+    not None), and a `DeprecationWarning` at the caller of `enable` naming the value to pass instead."""
+    if not isinstance(options, Options):
+        msg = f"options must be a cachelife.Options (cachelife.EXACT, cachelife.FAST), got {options!r:.80}"
+        raise InvalidArgumentError(msg)
+    given: dict[str, Any] = {name: value for name, value in levers.items() if value is not None}
+    if not given:
+        return options
+    combined = attrs.evolve(options, **given)
+    keywords = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    message = (
+        f"cachelife.enable(model, {keywords}) is deprecated and will be removed in the next release: "
+        f"pass options=cachelife.{combined!r}"
+    )
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return combined
+
+
+def options_of(model: object) -> Options:
+    """The options an enabled model was enabled with; `EXACT` for a model that is not enabled."""
     guard = guard_of(model)
-    return guard is not None and guard.small_linear
+    return EXACT if guard is None else guard.options
 
 
 def pool_of(model: object) -> CachePool | None:

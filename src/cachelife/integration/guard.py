@@ -46,13 +46,11 @@ from cachelife.integration.buckets import Buckets, pad_generation_kwargs
 from cachelife.integration.call_fit import check_call_fits
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import is_compiled
+from cachelife.integration.options import EXACT, Options
 from cachelife.integration.replaced import ReplacedTensors
+from cachelife.integration.rewrites import REWRITES, Restore
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.integration.skips import SkipReporter
-from cachelife.model_rewrites import fused_projections
-from cachelife.model_rewrites.decode_attention import AttentionSwitch, use_decode_attention
-from cachelife.model_rewrites.fused_projections import FusedProjections
-from cachelife.model_rewrites.layer_regions import LayerRegions, mark_layer_regions
 
 logger = logging.getLogger(__name__)
 
@@ -65,34 +63,29 @@ _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 @define(eq=False)
 class DecodingGuard:
-    """What `enable` installs on one model: two forward hooks and three wrapped methods, with `fuse_projections`
-    the model's fused projections (`cachelife.model_rewrites.fused_projections`) and with `decode_attention`
-    cachelife's decode attention as its attention implementation (`cachelife.model_rewrites.decode_attention`);
-    with `small_linear` the decoding steps run their products of few rows through `cachelife.kernels.linear`; with
-    `compile_regions` the layers of its stacks of identical layers are compile regions
-    (`cachelife.model_rewrites.layer_regions`). It holds the model's settings; the model's buffers, graphs and pool
-    belong to its runtime (`cachelife.integration.runtime`).
+    """What `enable` installs on one model: two forward hooks and three wrapped methods, and the model rewrites
+    its `options` turn on (`cachelife.integration.rewrites`), each held with its restore. It holds the model's
+    settings; the model's buffers, graphs and pool belong to its runtime (`cachelife.integration.runtime`).
 
-    A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy,
-    a fresh runtime); pickling an enabled model raises `EnabledModelPickleError`."""
+    A deep copy of the model gets a guard of its own (same settings, hooks and wrapped methods of the copy, its
+    rewrites restoring the copy, a fresh runtime); pickling an enabled model raises `EnabledModelPickleError`."""
 
     on_unpinned: OnUnpinned
     pool_bytes: int
     encoder_buckets: Buckets | None = None
-    fuse_projections: bool = False
-    decode_attention: bool = False
-    small_linear: bool = False
-    compile_regions: bool = False
-    _fusion: FusedProjections | None = field(default=None, alias="fusion")
-    _attention: AttentionSwitch | None = field(default=None, alias="attention")
-    _regions: LayerRegions | None = field(default=None, alias="regions")
-    # `small_linear` as the model's runtime was last released for: its compiled steps ran their products so.
-    _products: bool = field(default=False, alias="products")
+    # The options the model's rewrites and runtime follow; only `apply_options` changes them.
+    _options: Options = field(default=EXACT, init=False)
+    # Option name -> the restore of its rewrite, for every rewrite applied to the model, in the order applied.
+    _restores: dict[str, Restore] = field(factory=dict, init=False)
     _skips: SkipReporter = field(factory=SkipReporter, alias="skips")
     _replaced: ReplacedTensors = field(factory=ReplacedTensors, alias="replaced")
     _hooks: list[torch.utils.hooks.RemovableHandle] = field(factory=list, alias="hooks")
     # Attribute name -> the instance attribute that was there before (absent if the class provided it).
     _saved: dict[str, Any] = field(factory=dict, alias="saved")
+
+    @property
+    def options(self) -> Options:
+        return self._options
 
     def pool(self, model: PreTrainedModel) -> CachePool | None:
         """The model's pool of idle pinned buffers under this guard's budget (None with `pool_bytes=0`)."""
@@ -108,66 +101,35 @@ class DecodingGuard:
         ]
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
-    def apply_kernels(self, model: PreTrainedModel) -> None:
-        """Fuse the model's projections or restore them, switch its attention implementation or restore it, and mark
-        its layers as compile regions or restore them, as `fuse_projections`, `decode_attention` and
-        `compile_regions` say. A change of those or of `small_linear` releases the model's runtime: its captured
-        graphs and compiled steps read the weights where they were, call the attention they were traced with, run
-        their products as they were traced and were compiled with the layers as they were."""
-        fuse = self.fuse_projections != (self._fusion is not None)
-        switch = self.decode_attention != (self._attention is not None)
-        products = self.small_linear != self._products
-        mark = self.compile_regions != (self._regions is not None)
-        if not (fuse or switch or products or mark):
+    def apply_options(self, model: PreTrainedModel, options: Options) -> None:
+        """Make `options` the model's: undo each rewrite they turn off (in the reverse order of `REWRITES`), then
+        apply each they turn on. Any change of the options releases the model's runtime: its captured graphs and
+        compiled steps read the weights where they were, call the attention they were traced with, run their
+        products as they were traced, were compiled with the layers as they were and with the inductor options
+        they were. Callers check the rewrites first (`check_rewrites`)."""
+        if options == self._options:
             return
         runtime = runtime_of(model)
         with runtime.lock:
-            self._products = self.small_linear
-            if fuse and self._fusion is None:
-                self._fusion = fused_projections.fuse_projections(model)
-                if not self._fusion.groups:
-                    logger.warning(
-                        "fuse_projections=True: no projections of %s can be fused (%d group(s) left as they are; "
-                        "DEBUG logging of cachelife.model_rewrites.fused_projections says why)",
-                        type(model).__name__,
-                        len(self._fusion.skipped),
-                    )
-            elif fuse:
-                self.restore_fusion()
-            if switch and self._attention is None:
-                self._attention = use_decode_attention(model)
-                logger.debug(
-                    "%s: attention implementation switched to cachelife's decode attention", type(model).__name__
-                )
-            elif switch:
-                self.restore_attention()
-            if mark and self._regions is None:
-                self._regions = mark_layer_regions(model)
-                if not self._regions.layers:
-                    logger.warning("compile_regions=True: %s has no stack of identical layers", type(model).__name__)
-            elif mark:
-                self.restore_regions()
-            runtime.release()
+            try:
+                for rewrite in reversed(REWRITES):
+                    if not rewrite.wanted(options) and rewrite.option in self._restores:
+                        self._restores.pop(rewrite.option)()
+                for rewrite in REWRITES:
+                    if rewrite.wanted(options) and rewrite.option not in self._restores:
+                        self._restores[rewrite.option] = rewrite.apply(model)
+                self._options = options
+            finally:
+                runtime.release()
 
-    def restore_fusion(self) -> None:
-        if self._fusion is not None:
-            self._fusion.restore()
-            self._fusion = None
-
-    def restore_attention(self) -> None:
-        if self._attention is not None:
-            self._attention.restore()
-            self._attention = None
-
-    def restore_regions(self) -> None:
-        if self._regions is not None:
-            self._regions.restore()
-            self._regions = None
+    def restore_all(self) -> None:
+        """Undo every rewrite applied, newest first."""
+        while self._restores:
+            self._restores.popitem()[1]()
+        self._options = EXACT
 
     def uninstall(self, model: PreTrainedModel) -> None:
-        self.restore_fusion()
-        self.restore_attention()
-        self.restore_regions()
+        self.restore_all()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -182,14 +144,13 @@ class DecodingGuard:
         # `copy.deepcopy(model)` reaches the guard through the model's __dict__, its hooks and its wrapped
         # methods; every one of them gets this twin, whose hooks and saved attributes are the copy's own.
         twin = DecodingGuard(
-            self.on_unpinned, self.pool_bytes, self.encoder_buckets, self.fuse_projections, self.decode_attention,
-            self.small_linear, self.compile_regions,
-        )  # fmt: skip
+            on_unpinned=self.on_unpinned, pool_bytes=self.pool_bytes, encoder_buckets=self.encoder_buckets
+        )
         memo[id(self)] = twin
-        twin._fusion = copy.deepcopy(self._fusion, memo)
-        twin._attention = copy.deepcopy(self._attention, memo)  # the copy's configs and their previous values
-        twin._products = self._products
-        twin._regions = copy.deepcopy(self._regions, memo)  # the copy's layers, whose forwards the copy holds
+        twin._options = self._options
+        # Each restore is a bound method: its deep copy is bound to the copy of what it restores (the copy's
+        # parameters, configs, layers).
+        twin._restores = copy.deepcopy(self._restores, memo)
         twin._hooks = copy.deepcopy(self._hooks, memo)
         twin._saved = copy.deepcopy(self._saved, memo)
         return twin
