@@ -1,5 +1,6 @@
 """`cachelife.generate(compile_options=...)`: inductor options reach the compiled step (its own compilation,
-tokens unchanged), and bad options are refused before anything runs."""
+tokens unchanged), an enabled model's `cachelife.Options` give them unless the call does, and bad options are
+refused before anything runs."""
 
 from __future__ import annotations
 
@@ -14,10 +15,8 @@ from cachelife.integration.compiled import checked_options
 from cachelife.tools import zoo
 
 
-def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    built = zoo.build("t5")
-    inputs = built.inputs(2, 9, 1)
-    expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=10)
+def recorded_compilations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The inductor options of every `torch.compile` call from now on."""
     compiled_with: list[dict[str, Any]] = []
     real_compile = torch.compile
 
@@ -26,6 +25,14 @@ def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.Mo
         return real_compile(function, **kwargs)
 
     monkeypatch.setattr(torch, "compile", recording_compile)
+    return compiled_with
+
+
+def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = zoo.build("t5")
+    inputs = built.inputs(2, 9, 1)
+    expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=10)
+    compiled_with = recorded_compilations(monkeypatch)
     plain = cachelife.generate(built.model, fallback=False, **inputs, max_new_tokens=10)
     tuned = cachelife.generate(
         built.model, fallback=False, compile_options={"epilogue_fusion": False}, **inputs, max_new_tokens=10
@@ -40,6 +47,25 @@ def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.Mo
     assert "epilogue_fusion" not in compiled_with[0] or compiled_with[0]["epilogue_fusion"] is True
     assert compiled_with[1]["epilogue_fusion"] is False
     assert all(options["emulate_precision_casts"] is True for options in compiled_with)
+
+
+def test_an_enabled_models_options_compile_its_steps_unless_the_call_passes_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built = zoo.build("t5")
+    inputs = built.inputs(2, 9, 1)
+    expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=6)
+    model = cachelife.enable(built.model, options=cachelife.Options(compile_options={"epilogue_fusion": False}))
+    compiled_with = recorded_compilations(monkeypatch)
+    enabled = cachelife.generate(model, fallback=False, **inputs, max_new_tokens=6)
+    overridden = cachelife.generate(model, fallback=False, compile_options={}, **inputs, max_new_tokens=6)
+    eager = cachelife.generate(model, fallback=False, compile_step=False, **inputs, max_new_tokens=6)
+    for out in (enabled, overridden, eager):
+        assert isinstance(out, torch.Tensor)
+        assert torch.equal(out, expected)
+    assert len(compiled_with) == 2, "the enabled options' step, then the call's own"
+    assert compiled_with[0]["epilogue_fusion"] is False
+    assert "epilogue_fusion" not in compiled_with[1] or compiled_with[1]["epilogue_fusion"] is True
 
 
 @pytest.mark.parametrize(

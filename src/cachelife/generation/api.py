@@ -26,6 +26,7 @@ from cachelife.generation.method import decoding_method, fall_back
 from cachelife.generation.steps import CudaGraphs, LoopSettings
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.compiled import checked_options
+from cachelife.integration.enabling import options_of
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
 from cachelife.validate import check_bool, check_choice, check_int
 
@@ -55,7 +56,9 @@ def generate(
     (`cachelife.generation.graphs`); `"torch"` compiles a `steps_per_call`-step function in torch's
     "reduce-overhead" mode (cudagraph trees) instead. `compile_options` are inductor options added to the
     step's compilation (`torch.compile(options=)`; each set of options compiles its own step), for example
-    `{"max_autotune_gemm": True}`; the performance documentation says which ones were measured to help.
+    `{"max_autotune_gemm": True}`; the performance documentation says which ones were measured to help. Without
+    them, an enabled model's steps compile with the compile options of its `cachelife.Options`; passed (even
+    `{}`), they override those for the call.
     `encoder_buckets` (encoder-decoder models whose cross-attention honours the encoder mask), e.g.
     `(64, 128, 256)`, pads the encoder output and its mask to the smallest bucket that fits for this call, as
     `cachelife.enable(model, encoder_buckets=...)` does for every call of an enabled model.
@@ -82,6 +85,8 @@ def generate(
             fall_back(feature, fallback, model)
             return model.generate(**kwargs)
         kwargs = with_stop_string_criteria(kwargs, config)
+        if compile_options is None and compile_step:  # read under the lock, where `enable` changes them
+            options = dict(options_of(model).compile_options)
         settings = LoopSettings(
             steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options, buckets
         )
