@@ -53,7 +53,7 @@ from bench.padded import build_model, padded_prompts, spread_lengths
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, timed
 from bench.verdict import judge
-from cachelife.generation.steps import CudaGraphs
+from cachelife.generation.loop_settings import CudaGraphs
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 

@@ -46,7 +46,7 @@ bench/results_notes.md: edit those and regenerate, not this file.
 """
 
 
-@frozen
+@frozen(kw_only=True)
 class Row:
     """One file's line in the table."""
 
@@ -178,13 +178,13 @@ def row_of(path: Path, folder: Path = RESULTS) -> Row:
     """What can be said about one file: its JSON header, or that it is not a results file (logs, text)."""
     relative = path.relative_to(folder).as_posix()
     if path.suffix != ".json":
-        return Row(relative, "not a results file")
+        return Row(file=relative, benchmark="not a results file")
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return Row(relative, "not a results file (unreadable JSON)")
+        return Row(file=relative, benchmark="not a results file (unreadable JSON)")
     if not isinstance(record, dict):
-        return Row(relative, "not a results file (JSON without a header)")
+        return Row(file=relative, benchmark="not a results file (JSON without a header)")
     return json_row(path, relative, record)
 
 

@@ -72,7 +72,7 @@ class TimingStreamer(BaseStreamer):
         self.ended = time.perf_counter() - self.started
 
 
-@frozen
+@frozen(kw_only=True)
 class Streamed:
     """One call as its streamer saw it: the prompt, each new token and when it arrived (seconds since the call
     started), the puts that carried new tokens, and when `end()` came."""
@@ -91,7 +91,7 @@ class Streamed:
         (_, prompt), *rest = streamer.puts
         tokens = torch.cat([value for _, value in rest]) if rest else torch.empty(0, dtype=torch.long)
         arrivals = tuple(moment for moment, value in rest for _ in range(value.numel()))
-        return cls(prompt, tokens, arrivals, len(rest), streamer.ended)
+        return cls(prompt=prompt, tokens=tokens, arrivals=arrivals, puts=len(rest), ended=streamer.ended)
 
     def latencies(self) -> list[float]:
         """Every token's arrival minus the previous one's, from the second token on (seconds)."""

@@ -27,7 +27,7 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife.core.buffers import PinSpec
 from cachelife.errors import CompiledRegionError
-from cachelife.generation.steps import CudaGraphs
+from cachelife.generation.loop_settings import CudaGraphs
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.guard import DecodingGuard
 from cachelife.tools import zoo
@@ -148,7 +148,14 @@ def test_beam_search_with_a_compiled_forward_keeps_its_cuda_graphs(
 def test_pin_refuses_during_cuda_graph_capture() -> None:
     layer_cache = StaticCache(config=zoo.t5_tiny(), max_cache_len=8)
     layer = cachelife.lifecycle(layer_cache).layers[0]
-    spec = PinSpec(1, 4, 16, 16, torch.float32, torch.device("cuda", torch.cuda.current_device()))
+    spec = PinSpec(
+        batch_size=1,
+        num_kv_heads=4,
+        key_head_dim=16,
+        value_head_dim=16,
+        dtype=torch.float32,
+        device=torch.device("cuda", torch.cuda.current_device()),
+    )
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(CompiledRegionError, match="CUDA graph is being captured"), torch.cuda.graph(graph):
         layer.pin(spec)

@@ -5,8 +5,10 @@ public face), never back up, whatever form they take."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
+import attrs
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cachelife"
@@ -116,3 +118,35 @@ def test_subpackage_faces_define_nothing() -> None:
     for face in sorted(PACKAGE.glob("*/__init__.py")):
         body = ast.parse(face.read_text()).body
         assert [type(node).__name__ for node in body] == ["Expr"], face
+
+
+# Optional dependencies a module may need (the `serve` extra); a module that needs a missing one is not read.
+OPTIONAL = ("ray", "starlette")
+# A record of more fields than this is built with keywords only.
+MOST_POSITIONAL = 3
+
+
+def records(module: str) -> list[type]:
+    """The attrs classes `cachelife/<module>` defines."""
+    dotted = "cachelife." + module.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+    try:
+        loaded = importlib.import_module(dotted)
+    except ModuleNotFoundError as missing:
+        if missing.name is not None and missing.name.split(".")[0] in OPTIONAL:
+            pytest.skip(f"{dotted} needs {missing.name}")
+        raise
+    return [
+        value
+        for value in vars(loaded).values()
+        if isinstance(value, type) and attrs.has(value) and value.__module__ == loaded.__name__
+    ]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_records_of_more_than_three_fields_are_keyword_only(module: str) -> None:
+    positional = {}
+    for record in records(module):
+        taken = [field for field in attrs.fields(record) if field.init]
+        if len(taken) > MOST_POSITIONAL:
+            positional[record.__name__] = [field.name for field in taken if not field.kw_only]
+    assert {name: fields for name, fields in positional.items() if fields} == {}

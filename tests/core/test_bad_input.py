@@ -179,5 +179,17 @@ def test_pin_spec_mismatch_on_an_already_pinned_cache() -> None:
     state = cachelife.lifecycle(cache)
     before = states(cache)
     with pytest.raises(CacheShapeError, match=r"already Pinned and holds dtype torch\.float32 where torch\.float16"):
-        state.pin_specs([PinSpec(1, 2, 16, 16, torch.float16, torch.device("cpu"))] * 2)
+        state.pin_specs(
+            [
+                PinSpec(
+                    batch_size=1,
+                    num_kv_heads=2,
+                    key_head_dim=16,
+                    value_head_dim=16,
+                    dtype=torch.float16,
+                    device=torch.device("cpu"),
+                )
+            ]
+            * 2
+        )
     assert states(cache) == before

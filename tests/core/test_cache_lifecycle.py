@@ -91,7 +91,16 @@ def test_pin_is_idempotent_and_checks_already_pinned_layers() -> None:
 def test_require_pinned_names_every_missing_layer() -> None:
     cache = encoder_decoder_cache()
     state = cachelife.lifecycle(cache)
-    state.self_attention[0].pin(buffers.PinSpec(3, 4, 16, 16, torch.float32, torch.device("cpu")))
+    state.self_attention[0].pin(
+        buffers.PinSpec(
+            batch_size=3,
+            num_kv_heads=4,
+            key_head_dim=16,
+            value_head_dim=16,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+    )
     with pytest.raises(UnpinnedCacheError) as raised:
         state.require_pinned()
     message = str(raised.value)

@@ -28,7 +28,9 @@ needs_dummy_layer = pytest.mark.skipif(
 LAYER_TYPES = ["full_attention", "mlp", "full_attention", "moe"]
 STORAGE, NO_STORAGE = (0, 2), (1, 3)
 EVENTS: tuple[Event, ...] = ("pin", "fill", "reset", "release")
-SPEC = PinSpec(1, 2, 8, 8, torch.float32, torch.device("cpu"))
+SPEC = PinSpec(
+    batch_size=1, num_kv_heads=2, key_head_dim=8, value_head_dim=8, dtype=torch.float32, device=torch.device("cpu")
+)
 
 
 def nemotron_h() -> PreTrainedModel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -117,7 +118,14 @@ def test_pool_off() -> None:
 
 def test_reused_buffers_leave_the_layer_as_a_fresh_pin_would() -> None:
     config = zoo.llama_tiny()
-    spec = PinSpec(2, 2, 16, 16, torch.float32, torch.device("cpu"))
+    spec = PinSpec(
+        batch_size=2,
+        num_kv_heads=2,
+        key_head_dim=16,
+        value_head_dim=16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     fresh = StaticCache(config=config, max_cache_len=6)
     fresh_state = cachelife.lifecycle(fresh)
     fresh_state.pin_specs([spec, spec])
@@ -144,14 +152,21 @@ def test_pool_keys_distinguish_every_buffer_property() -> None:
     config = zoo.llama_tiny()
     cache = StaticCache(config=config, max_cache_len=6)
     state = cachelife.lifecycle(cache)
-    base = PinSpec(2, 2, 16, 16, torch.float32, torch.device("cpu"))
+    base = PinSpec(
+        batch_size=2,
+        num_kv_heads=2,
+        key_head_dim=16,
+        value_head_dim=16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     variants = [
         base,
-        PinSpec(3, 2, 16, 16, torch.float32, torch.device("cpu")),
-        PinSpec(2, 1, 16, 16, torch.float32, torch.device("cpu")),
-        PinSpec(2, 2, 8, 16, torch.float32, torch.device("cpu")),
-        PinSpec(2, 2, 16, 8, torch.float32, torch.device("cpu")),
-        PinSpec(2, 2, 16, 16, torch.bfloat16, torch.device("cpu")),
+        attrs.evolve(base, batch_size=3),
+        attrs.evolve(base, num_kv_heads=1),
+        attrs.evolve(base, key_head_dim=8),
+        attrs.evolve(base, value_head_dim=8),
+        attrs.evolve(base, dtype=torch.bfloat16),
     ]
     keys = {pool_key(state, [spec, spec]) for spec in variants}
     assert len(keys) == len(variants)

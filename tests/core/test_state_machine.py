@@ -37,7 +37,7 @@ from cachelife.tools import zoo
 
 CPU = torch.device("cpu")
 SELF_LEN, CROSS_LEN, HEADS, DIM = 6, 4, 2, 8
-SPEC = PinSpec(2, HEADS, DIM, DIM, torch.float32, CPU)
+SPEC = PinSpec(batch_size=2, num_kv_heads=HEADS, key_head_dim=DIM, value_head_dim=DIM, dtype=torch.float32, device=CPU)
 
 
 def check_layer(layer: LayerLifecycle, pinned_at: dict[int, tuple[tuple[str, int], ...]]) -> None:

@@ -229,7 +229,14 @@ def test_a_graph_with_live_settings_reads_the_settings_its_caller_changes_betwee
             state.add_(captured["add"])  # type: ignore[index]  # the settings dict below
 
         return graphs.GraphedSteps(
-            model, "engine", call, 1, in_place=state, settings=settings, device=torch.device("cpu"), live_settings=True
+            model=model,
+            name="engine",
+            call=call,
+            calls=1,
+            in_place=state,
+            settings=settings,
+            device=torch.device("cpu"),
+            live_settings=True,
         )
 
     steps_over({"add": torch.ones(2)}).advance()

@@ -16,7 +16,9 @@ import cachelife
 from cachelife.core.buffers import PinSpec
 from cachelife.core.layer_lifecycle import LayerLifecycle
 
-SPEC = PinSpec(1, 2, 4, 4, torch.float32, torch.device("cpu"))
+SPEC = PinSpec(
+    batch_size=1, num_kv_heads=2, key_head_dim=4, value_head_dim=4, dtype=torch.float32, device=torch.device("cpu")
+)
 
 
 def test_no_handler_and_no_level_by_default() -> None:
@@ -52,7 +54,8 @@ def test_environment_variable(value: str, expect: str) -> None:
         "from cachelife.core.layer_lifecycle import LayerLifecycle\n"
         "from cachelife.core.buffers import PinSpec\n"
         "layer = StaticLayer(max_cache_len=2)\n"
-        "spec = PinSpec(1, 1, 2, 2, torch.float32, torch.device('cpu'))\n"
+        "spec = PinSpec(batch_size=1, num_kv_heads=1, key_head_dim=2, value_head_dim=2, dtype=torch.float32,\n"
+        "               device=torch.device('cpu'))\n"
         "LayerLifecycle.adopt(layer, index=0, role='self').pin(spec)\n"
     )
     env = {**os.environ, "CACHELIFE_LOG": value}

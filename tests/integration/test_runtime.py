@@ -53,7 +53,9 @@ def test_release_frees_every_buffer_graph_and_compiled_step_and_reports_the_byte
 
 
 def test_release_of_a_model_cachelife_never_saw_frees_nothing() -> None:
-    assert cachelife.release(zoo.build("llama").model) == cachelife.Released(0, 0, 0, 0)
+    assert cachelife.release(zoo.build("llama").model) == cachelife.Released(
+        pool_bytes=0, state_bytes=0, graphs=0, compiled_steps=0
+    )
 
 
 def test_disable_releases_the_runtime() -> None:

@@ -231,20 +231,20 @@ def test_streamed_chunks_are_shaped_like_openais() -> None:
 
 def test_text_deltas_add_up_to_the_decoded_text() -> None:
     ids = [10, 20, 2, 30]  # an end token (special: no text) in the middle
-    deltas = TextDeltas(TOKENIZER)
+    deltas = TextDeltas(tokenizer=TOKENIZER)
     pieces = [deltas.add(token) for token in ids] + [deltas.rest()]
     assert pieces == ["w10", " w20", "", " w30", ""]
     assert "".join(pieces) == TOKENIZER.decode(ids, skip_special_tokens=True)
 
 
 def test_text_deltas_hold_back_what_may_begin_a_stop_and_end_before_the_stop() -> None:
-    deltas = TextDeltas(TOKENIZER, ("w21 w22",))
+    deltas = TextDeltas(tokenizer=TOKENIZER, stops=("w21 w22",))
     pieces = [deltas.add(token) for token in (10, 21, 23, 21, 22, 30)]
     # "w21" waits (the stop may begin there), goes out once w23 shows it does not; the stop ends the text
     assert pieces == ["w10", " ", "w21 w23", " ", "", ""]
     assert deltas.stopped
     assert "".join(pieces) + deltas.rest() == "w10 w21 w23 "
-    held = TextDeltas(TOKENIZER, ("w21 w22",))
+    held = TextDeltas(tokenizer=TOKENIZER, stops=("w21 w22",))
     assert [held.add(10), held.add(21), held.rest()] == ["w10", " ", "w21"]  # held back until the end
 
 
@@ -259,7 +259,7 @@ class _Bytes:
 
 
 def test_text_deltas_hold_an_unfinished_character_back() -> None:
-    deltas = TextDeltas(_Bytes())
+    deltas = TextDeltas(tokenizer=_Bytes())
     pieces = [deltas.add(byte) for byte in "aé!".encode()]
     assert pieces == ["a", "", "é", "!"]
 

@@ -9,7 +9,7 @@ from cachelife.serving.rows import PER_ROW, Program
 
 
 def _entry(key: tuple[object, ...]) -> tuple[Program, object]:
-    return Program(key, (), (), False, None, 0), lambda: 1
+    return Program(key=key, processors=(), rows=(), do_sample=False, eos=None, pad=0), lambda: 1
 
 
 def test_the_least_recently_used_program_of_its_own_is_dropped_past_the_bound() -> None:

@@ -175,7 +175,10 @@ def test_a_bad_transcription_request_says_what_was_expected(fields: dict[str, st
 
 def test_a_transcription_answer_is_shaped_as_its_format_asks() -> None:
     extractor = zoo.whisper_tiny_processor().feature_extractor
-    segments = [Segment(0.0, 1.5, (270, 5, 6, 280), "t5 t6"), Segment(61.25, 3725.007, (7,), "t7")]
+    segments = [
+        Segment(start=0.0, end=1.5, tokens=(270, 5, 6, 280), text="t5 t6"),
+        Segment(start=61.25, end=3725.007, tokens=(7,), text="t7"),
+    ]
 
     def body(response_format: str) -> Any:
         request = parse_transcription({"file": wav(tone(0.5)), "response_format": response_format},

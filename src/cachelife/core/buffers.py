@@ -27,7 +27,7 @@ _DUMMY_LAYER: type | None = getattr(cache_utils, "DummyLayer", None)
 _INIT_ATTRIBUTES = ("device", "batch_size", "num_heads", "k_head_dim", "v_head_dim")
 
 
-@frozen
+@frozen(kw_only=True)
 class PinSpec:
     """What one layer's buffers must look like: everything but the sequence length, which the layer owns."""
 
@@ -39,7 +39,7 @@ class PinSpec:
     device: torch.device
 
 
-@frozen
+@frozen(kw_only=True)
 class Buffers:
     """The storage a pinned layer holds, as recorded when it was pinned."""
 

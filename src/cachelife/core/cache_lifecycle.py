@@ -63,7 +63,7 @@ def is_managed_cache(cache: object) -> TypeGuard[ManagedCache]:
     return is_static_cache(cache) or is_static_encoder_decoder_cache(cache)
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class CacheLifecycle:
     """The lifecycles of every layer of one cache: self-attention layers first, then cross-attention."""
 
@@ -202,7 +202,14 @@ class CacheLifecycle:
         return [
             None
             if isinstance(layer.state, NoStorage)
-            else PinSpec(batch_size, shape.num_kv_heads, shape.key_head_dim, shape.value_head_dim, dtype, dev)
+            else PinSpec(
+                batch_size=batch_size,
+                num_kv_heads=shape.num_kv_heads,
+                key_head_dim=shape.key_head_dim,
+                value_head_dim=shape.value_head_dim,
+                dtype=dtype,
+                device=dev,
+            )
             for layer, shape, dev in zip(self.layers, layer_shapes, devices, strict=True)
         ]
 

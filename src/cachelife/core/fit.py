@@ -31,7 +31,7 @@ _FIX: dict[Request, str] = {
 }
 
 
-@frozen
+@frozen(kw_only=True)
 class Need:
     """What one layer's buffers must be for a request; None where the request does not say."""
 
@@ -46,7 +46,7 @@ class Need:
     def of_spec(cls, spec: PinSpec) -> Need:
         """What a pin request asks of a layer that is already pinned."""
         shape = LayerShape(spec.num_kv_heads, spec.key_head_dim, spec.value_head_dim)
-        return cls(spec.batch_size, shape, spec.dtype, spec.device)
+        return cls(batch_size=spec.batch_size, shape=shape, dtype=spec.dtype, device=spec.device)
 
 
 def problems(have: Buffers, need: Need) -> list[str]:

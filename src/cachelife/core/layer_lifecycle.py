@@ -109,7 +109,7 @@ class TransitionCount:
     value: int = 0
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class LayerLifecycle:
     """The lifecycle of one transformers cache layer: which buffers it holds and whether they are pinned.
 

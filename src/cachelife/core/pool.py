@@ -104,7 +104,7 @@ def is_unreached(entry: BufferSet) -> bool:
     return True
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class CachePool:
     """Idle pinned buffer sets by shape, under a byte budget, least recently used evicted first."""
 

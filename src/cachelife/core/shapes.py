@@ -227,7 +227,7 @@ def decoder_only_shapes(config: PreTrainedConfig) -> CacheShapes:
     return CacheShapes(tuple(shapes))
 
 
-@frozen
+@frozen(kw_only=True)
 class FamilyRule:
     """Which config attributes give one family's decoder cache shapes; of each tuple, the first set wins.
 

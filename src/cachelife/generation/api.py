@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
+import attrs
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
@@ -22,13 +23,11 @@ from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError
 from cachelife.generation.arguments import merged_config, unsupported_argument, unsupported_config
+from cachelife.generation.loop_settings import CudaGraphs, LoopSettings, check_generator_type
 from cachelife.generation.method import decoding_method, fall_back
-from cachelife.generation.steps import CudaGraphs, LoopSettings
-from cachelife.integration.buckets import check_bucketable, check_buckets
-from cachelife.integration.compiled import checked_options
+from cachelife.integration.buckets import check_bucketable
 from cachelife.integration.enabling import options_of
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of
-from cachelife.validate import check_bool, check_choice, check_int
 
 
 def generate(
@@ -64,19 +63,19 @@ def generate(
     `cachelife.enable(model, encoder_buckets=...)` does for every call of an enabled model.
     """
     check_model(model)
-    check_bool("fallback", fallback)
-    check_int("steps_per_call", steps_per_call)
-    check_int("stop_check_every", stop_check_every)
-    check_bool("compile_step", compile_step)
-    check_choice("cuda_graphs", cuda_graphs, ("cachelife", "torch"))
+    settings = LoopSettings(
+        steps_per_call=steps_per_call,
+        stop_check_every=stop_check_every,
+        compile_step=compile_step,
+        fallback=fallback,
+        generator=generator,
+        cuda_graphs=cuda_graphs,
+        compile_options=compile_options,
+        encoder_buckets=encoder_buckets,
+    )
     check_generator(generator, model)
-    buckets = None if encoder_buckets is None else check_buckets(encoder_buckets)
-    if buckets is not None:
+    if settings.encoder_buckets is not None:
         check_bucketable(model)
-    options = checked_options(compile_options)
-    if options and not compile_step:
-        msg = f"compile_options={dict(options)!r} need compile_step=True: the step runs eagerly without it"
-        raise InvalidArgumentError(msg)
     runtime = runtime_of(model)
     with runtime.lock, collecting_after_compilation():
         config = merged_config(model, kwargs)
@@ -86,10 +85,7 @@ def generate(
             return model.generate(**kwargs)
         kwargs = with_stop_string_criteria(kwargs, config)
         if compile_options is None and compile_step:  # read under the lock, where `enable` changes them
-            options = dict(options_of(model).compile_options)
-        settings = LoopSettings(
-            steps_per_call, stop_check_every, compile_step, fallback, generator, cuda_graphs, options, buckets
-        )
+            settings = attrs.evolve(settings, compile_options=options_of(model).compile_options)
         called: list[bool] = []
         # A callable custom_generate does not get `generate`'s streamer: the decoding method is handed it here.
         method = decoding_method(settings, lambda: called.append(True), kwargs.get("streamer"))
@@ -119,12 +115,8 @@ def check_model(model: object) -> None:
 
 
 def check_generator(generator: object, model: PreTrainedModel) -> None:
-    if generator is None:
-        return
-    if not isinstance(generator, torch.Generator):
-        msg = f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r:.80}"
-        raise InvalidArgumentError(msg)
-    if generator.device.type != model.device.type:
+    check_generator_type(generator)
+    if isinstance(generator, torch.Generator) and generator.device.type != model.device.type:
         msg = (
             f"generator must be on the model's device ({model.device}), got a generator on {generator.device}: "
             f"torch.Generator(device={str(model.device)!r}).manual_seed(seed)"

@@ -34,7 +34,7 @@ from cachelife.generation.records import ScoreRecord
 _NEG = -1.0e9
 
 
-@frozen
+@frozen(kw_only=True)
 class BeamPlan:
     """The settings of one beam search, the same for every step."""
 
@@ -80,11 +80,23 @@ class BeamPlan:
         width = buffer_width(max_length)
         scale = [_power(generated, length_penalty) for generated in range(width + 2)]
         return cls(
-            processors, eos, batch, beams, keep, prompt_length, max_length, width,
-            torch.tensor(prompt_length, device=device), torch.tensor(max_length, device=device), early_stopping,
-            do_sample, do_sample and transformers_sorts_samples(), mask.to(device), _reciprocals(scale, device),
-            early_stopping == "never" and length_penalty > 0.0,
-        )  # fmt: skip
+            processors=processors,
+            eos=eos,
+            batch=batch,
+            beams=beams,
+            keep=keep,
+            prompt_length=prompt_length,
+            max_length=max_length,
+            width=width,
+            prompt=torch.tensor(prompt_length, device=device),
+            limit=torch.tensor(max_length, device=device),
+            early_stopping=early_stopping,
+            do_sample=do_sample,
+            sort_samples=do_sample and transformers_sorts_samples(),
+            top_beam_mask=mask.to(device),
+            length_scale=_reciprocals(scale, device),
+            heuristic_at_limit=early_stopping == "never" and length_penalty > 0.0,
+        )
 
     def per_group(self) -> BeamPlan:
         """The plan with a prompt length and a limit per input, (batch,) static buffers the caller fills (the
@@ -119,7 +131,7 @@ def _reciprocals(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).reciprocal().to(device)
 
 
-@frozen
+@frozen(kw_only=True)
 class BeamState:
     """Static buffers of one beam search, mutated in place (names as in transformers' `_beam_search`)."""
 
@@ -142,17 +154,17 @@ class BeamState:
         each = tuple(plan.prompt.shape)
         generated = width  # indices of generated tokens; `width` columns whatever the prompt length
         state = cls(
-            torch.zeros(*shape, width, dtype=torch.long, device=device),
-            torch.zeros(shape, device=device),
-            torch.zeros(*shape, generated, dtype=torch.int32, device=device),
-            torch.zeros(*shape, width, dtype=torch.long, device=device),
-            torch.zeros(shape, device=device),
-            torch.zeros(*shape, generated, dtype=torch.int32, device=device),
-            torch.zeros(shape, dtype=torch.bool, device=device),
-            torch.zeros(plan.batch, 1, dtype=torch.bool, device=device),
-            torch.zeros(each, dtype=torch.long, device=device),
-            torch.zeros(each, dtype=torch.bool, device=device),
-            torch.arange(plan.batch * plan.beams, device=device),
+            running_sequences=torch.zeros(*shape, width, dtype=torch.long, device=device),
+            running_beam_scores=torch.zeros(shape, device=device),
+            running_beam_indices=torch.zeros(*shape, generated, dtype=torch.int32, device=device),
+            sequences=torch.zeros(*shape, width, dtype=torch.long, device=device),
+            beam_scores=torch.zeros(shape, device=device),
+            beam_indices=torch.zeros(*shape, generated, dtype=torch.int32, device=device),
+            is_sent_finished=torch.zeros(shape, dtype=torch.bool, device=device),
+            improvable=torch.zeros(plan.batch, 1, dtype=torch.bool, device=device),
+            cur_len=torch.zeros(each, dtype=torch.long, device=device),
+            running=torch.zeros(each, dtype=torch.bool, device=device),
+            beam_idx=torch.arange(plan.batch * plan.beams, device=device),
         )
         for tensor in state.tensors():
             torch._dynamo.mark_static_address(tensor)

@@ -135,7 +135,7 @@ def _walk(node: object, tensors: list[torch.Tensor], structure: list[object], se
     # anything else (functions, cachelife's lifecycle objects): its type only
 
 
-@define
+@define(kw_only=True)
 class Captured:
     """One graph, the settings it was captured with (kept alive: the graph reads their tensors' addresses)
     and the call that replays it now (weakly: a finished call's caches go back to their pool)."""
@@ -150,7 +150,7 @@ def captures_on(device: torch.device) -> bool:
     return device.type in CAPTURING_DEVICES
 
 
-@define
+@define(kw_only=True)
 class GraphedSteps:
     """`calls` calls of one step, replayed from a graph of `model` (see the module docstring).
 
@@ -191,7 +191,9 @@ class GraphedSteps:
             found.current = weakref.ref(self)
             self._replay = found.graph.replay
             return self.advance()
-        entry = Captured(_NOT_CAPTURED, self.settings, settings.tensors, weakref.ref(self))
+        entry = Captured(
+            graph=_NOT_CAPTURED, settings=self.settings, tensors=settings.tensors, current=weakref.ref(self)
+        )
         ended = f"a {self.name} graph of {type(self.model).__name__} replayed after its call ended"
 
         def calls() -> None:  # run at capture (a stand-in graph runs it at every replay); holds no call's objects

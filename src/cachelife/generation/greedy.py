@@ -15,7 +15,7 @@ from cachelife.generation.processors import TensorProcessor
 from cachelife.generation.records import ScoreRecord
 
 
-@frozen
+@frozen(kw_only=True)
 class Choice:
     """How one step picks its token; the same for every step of one call."""
 

@@ -25,11 +25,11 @@ from transformers.utils import ModelOutput
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.arguments import int_field
 from cachelife.generation.host import host_criteria
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.padding import is_padded, unsupported_padding
 from cachelife.generation.processors import unsupported_processor
 from cachelife.generation.searches import beam_search, greedy_search
 from cachelife.generation.states import StateLeases
-from cachelife.generation.steps import LoopSettings
 from cachelife.integration.buckets import pad_generation_kwargs
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.runtime import collecting_after_compilation, runtime_of

@@ -190,7 +190,9 @@ def _convert(processor: lp.LogitsProcessor, vocab_size: int, device: torch.devic
             start = _scalar(int(processor.regulation_start), device)
             factor = torch.tensor(float(processor.regulation_factor), dtype=torch.float64, device=device)
             eos = _eos(processor.eos_token_id, device)
-            return ExponentialDecay(eos, start, factor, _spares_infinite(processor, eos))
+            return ExponentialDecay(
+                eos=eos, start=start, factor=factor, spares_infinite=_spares_infinite(processor, eos)
+            )
         case lp.WhisperTimeStampLogitsProcessor():
             return _whisper_timestamps(processor, device)
         case OccurrencePenalty():
@@ -261,10 +263,13 @@ def _whisper_timestamps(processor: lp.WhisperTimeStampLogitsProcessor, device: t
         msg = f"Whisper's timestamp rules need one end token, got eos_token_id={eos!r}"
         raise UnsupportedGenerationError(msg)
     return WhisperTimestamps(
-        int(processor.no_timestamps_token_id), int(processor.timestamp_begin), eos,
-        _scalar(int(processor.begin_index), device), None if initial is None else int(initial),
-        bool(processor._detect_timestamp_from_logprob),
-    )  # fmt: skip
+        no_timestamps=int(processor.no_timestamps_token_id),
+        timestamp_begin=int(processor.timestamp_begin),
+        eos=eos,
+        begin_index=_scalar(int(processor.begin_index), device),
+        max_initial=None if initial is None else int(initial),
+        from_logprob=bool(processor._detect_timestamp_from_logprob),
+    )
 
 
 _AS_TENSORS: tuple[type[lp.LogitsProcessor], ...] = (

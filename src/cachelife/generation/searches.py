@@ -31,11 +31,12 @@ from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, f
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.host import HostChecks
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.padding import LeftPadding
 from cachelife.generation.processors import tensor_processors
 from cachelife.generation.records import ScoreRecord
 from cachelife.generation.states import StateLeases
-from cachelife.generation.steps import LoopSettings, input_name, prefill, run_steps, stepper
+from cachelife.generation.steps import input_name, prefill, run_steps, stepper
 from cachelife.integration.call_arguments import cache_argument_name
 
 
@@ -133,9 +134,12 @@ def greedy_search(
     eos = eos_ids(config)
     pad_tensor = special_tokens(config, "_pad_token_tensor")
     choice = Choice(
-        tensor_processors(processors, vocab_size=vocab, device=device), bool(config.do_sample), eos,
-        0 if pad_tensor is None else int(pad_tensor), torch.tensor(max_length, device=device),
-    )  # fmt: skip
+        processors=tensor_processors(processors, vocab_size=vocab, device=device),
+        do_sample=bool(config.do_sample),
+        eos=eos,
+        pad=0 if pad_tensor is None else int(pad_tensor),
+        max_length=torch.tensor(max_length, device=device),
+    )
     state = leases.lease(("greedy", rows, width), GreedyState, lambda: GreedyState.allocate(rows, width, device))
     noise = _Noise(leases, "noise", (rows, vocab), steps=spc, config=config, settings=settings, device=device)
     record = score_record(config, leases, rows=rows, width=width, vocab=vocab, device=device)

@@ -13,20 +13,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from attrs import field, frozen
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
 from cachelife.generation.repeatable import with_repeatable_attention, within_restricted_switches
 from cachelife.generation.states import StateLeases
 from cachelife.generation.step_code import own_code, specialization
-from cachelife.integration.buckets import Buckets
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.compiled import CompileOptions, mode_with
 from cachelife.integration.enabling import options_of, pool_of
@@ -36,22 +35,6 @@ from cachelife.kernels.linear import through_small_linear
 logger = logging.getLogger(__name__)
 
 StepFunction = Callable[..., None]
-CudaGraphs = Literal["cachelife", "torch"]
-
-
-@frozen
-class LoopSettings:
-    """cachelife's own settings of one `generate` call."""
-
-    steps_per_call: int
-    stop_check_every: int
-    compile_step: bool
-    fallback: bool
-    generator: torch.Generator | None
-    cuda_graphs: CudaGraphs = "cachelife"
-    # As cachelife.integration.compiled.checked_options returns them.
-    compile_options: CompileOptions = field(factory=dict)
-    encoder_buckets: Buckets | None = None
 
 
 def uses_own_graphs(settings: LoopSettings, device: torch.device) -> bool:
@@ -176,9 +159,16 @@ def stepper(
         # The graph's name is part of its key: a graph of the step compiled with other options is another graph.
         graph_name = f"{name} with {dict(sorted(options.items()))}" if options else name
         graphed = GraphedSteps(
-            model, graph_name, lambda index, settings: one_step(**arguments(index, 1, settings)), spc, in_place,
-            read_only, device, rewind, live_settings,
-        )  # fmt: skip
+            model=model,
+            name=graph_name,
+            call=lambda index, settings: one_step(**arguments(index, 1, settings)),
+            calls=spc,
+            in_place=in_place,
+            settings=read_only,
+            device=device,
+            rewind=rewind,
+            live_settings=live_settings,
+        )
         return graphed.advance
     mode = "reduce-overhead" if device.type == "cuda" else "default"
     step = within_restricted_switches(function)

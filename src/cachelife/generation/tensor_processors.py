@@ -163,7 +163,7 @@ class EncoderNoRepeatNGram:
         return scores.masked_fill(banned[:, :vocab], -float("inf"))
 
 
-@frozen
+@frozen(kw_only=True)
 class ExponentialDecay:
     """ExponentialDecayLengthPenalty: once `length > start`, the end tokens' scores grow by
     |score| * (factor ** (length - start) - 1), the power in float64 as Python computes it."""
@@ -184,7 +184,7 @@ class ExponentialDecay:
         return torch.where(length > self.start, penalised, scores)
 
 
-@frozen
+@frozen(kw_only=True)
 class WhisperTimestamps:
     """WhisperTimeStampLogitsProcessor, for every row at once: no `<|notimestamps|>`; timestamps in pairs (after
     two, text; after one, a timestamp or the end); none below the last one (nor the last one again, unless it

@@ -37,5 +37,11 @@ def check_call_fits(state: CacheLifecycle, model: PreTrainedModel, kwargs: Mappi
         writes_from_empty = (
             layer.role == "self" and isinstance(layer.state, Pinned) and not buffers.is_sliding_layer(layer.layer)
         )
-        need = Need(batch_size, shape, model.dtype, device, query_length if writes_from_empty else None)
+        need = Need(
+            batch_size=batch_size,
+            shape=shape,
+            dtype=model.dtype,
+            device=device,
+            writes=query_length if writes_from_empty else None,
+        )
         check_fits(layer, need, request="call")

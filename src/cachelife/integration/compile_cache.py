@@ -59,7 +59,7 @@ def _config_is_process_wide() -> bool:
     return seen == [probe]
 
 
-@define
+@define(kw_only=True)
 class _Namespace:
     """Sets and restores the tag: per thread where torch's config is, else counted over all threads."""
 

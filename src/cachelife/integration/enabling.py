@@ -137,7 +137,7 @@ def release(model: object) -> Released:
     Returns what was freed. Waits for a call decoding on the model in another thread; the model stays
     enabled (or not) and the next call builds what it needs again. Caches a caller holds are the caller's."""
     runtime = existing_runtime(model)
-    return Released(0, 0, 0, 0) if runtime is None else runtime.release()
+    return Released(pool_bytes=0, state_bytes=0, graphs=0, compiled_steps=0) if runtime is None else runtime.release()
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:

@@ -61,7 +61,7 @@ _PATCHED = ("generate", "_prepare_cache_for_generation", "get_compiled_call")
 _GUARD_ATTRIBUTE = "_cachelife_guard"
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class DecodingGuard:
     """What `enable` installs on one model: two forward hooks and three wrapped methods, and the model rewrites
     its `options` turn on (`cachelife.integration.rewrites`), each held with its restore. It holds the model's
@@ -94,7 +94,7 @@ class DecodingGuard:
     def install(self, model: PreTrainedModel) -> None:
         self._saved = {name: model.__dict__[name] for name in _PATCHED if name in model.__dict__}
         for name in _PATCHED:
-            model.__dict__[name] = GuardedMethod(self, model, name, getattr(model, name))
+            model.__dict__[name] = GuardedMethod(guard=self, model=model, name=name, original=getattr(model, name))
         self._hooks = [
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
             model.register_forward_hook(self.after_forward, with_kwargs=True),
@@ -301,7 +301,7 @@ def raise_enabled_model_pickle() -> NoReturn:
     raise EnabledModelPickleError(msg)
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class GuardedMethod:
     """One method of an enabled model, wrapped by its guard: an object rather than a closure, so that a deep
     copy of the model wraps the copy's own method (a closure would keep calling the original model's)."""
@@ -324,9 +324,11 @@ class GuardedMethod:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GuardedMethod:
         return GuardedMethod(
-            copy.deepcopy(self.guard, memo), copy.deepcopy(self.model, memo), self.name,
-            copy.deepcopy(self.original, memo),
-        )  # fmt: skip
+            guard=copy.deepcopy(self.guard, memo),
+            model=copy.deepcopy(self.model, memo),
+            name=self.name,
+            original=copy.deepcopy(self.original, memo),
+        )
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         raise_enabled_model_pickle()

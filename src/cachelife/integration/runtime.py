@@ -99,7 +99,7 @@ class Kept(Generic[V]):
         return sum(len(values) for values in self._values.values())
 
 
-@frozen
+@frozen(kw_only=True)
 class Released:
     """What `release` freed: bytes of tensors cachelife held (idle pool buffers, state buffers, captured
     graphs' settings), and how many graphs, compiled steps and warnings it forgot."""
@@ -115,7 +115,7 @@ class Released:
         return self.pool_bytes + self.state_bytes
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class ModelRuntime:
     """Everything cachelife keeps for one model between calls (see the module docstring)."""
 
@@ -136,7 +136,7 @@ class ModelRuntime:
             if budget_bytes == 0:
                 self.pool = None
             elif self.pool is None:
-                self.pool = CachePool(budget_bytes)
+                self.pool = CachePool(budget_bytes=budget_bytes)
             else:
                 self.pool.budget_bytes = budget_bytes
             return self.pool
@@ -190,7 +190,7 @@ def runtime_of(model: object) -> ModelRuntime:
     with _REGISTRY_LOCK:
         found = _RUNTIMES.get(model)
         if found is None:
-            found = _RUNTIMES[model] = ModelRuntime(type(model).__name__)
+            found = _RUNTIMES[model] = ModelRuntime(model_name=type(model).__name__)
         return found
 
 

@@ -42,7 +42,7 @@ MAGIC = b"cachelife-compile-artifacts\n"
 FORMAT_VERSION = 1
 
 
-@frozen
+@frozen(kw_only=True)
 class CompileArtifactsHeader:
     """What a compile-artifacts file says about itself; `artifacts` counts the entries per kind of cache."""
 

@@ -149,7 +149,7 @@ def _jitted() -> tuple[Any, Any]:
     return triton.jit(attention_split_kernel), triton.jit(attention_combine_kernel)
 
 
-@frozen
+@frozen(kw_only=True)
 class SplitPlan:
     """How one call is cut: tiles of `block_n` positions; `splits` programs per (batch, key/value head), each
     over `split_size` positions (whole tiles; the last split may reach past the cache); block sizes for the
@@ -177,7 +177,14 @@ def plan_splits(
     wanted = splits if splits is not None else math.ceil(programs / (batch * kv_heads))
     tiles_per_split = math.ceil(tiles / min(max(wanted, 1), tiles, MAX_SPLITS))
     count = math.ceil(tiles / tiles_per_split)
-    return SplitPlan(block_g, block_n, block_dk, block_dv, count, tiles_per_split * block_n)
+    return SplitPlan(
+        block_g=block_g,
+        block_n=block_n,
+        block_dk=block_dk,
+        block_dv=block_dv,
+        splits=count,
+        split_size=tiles_per_split * block_n,
+    )
 
 
 def input_problem(  # noqa: PLR0911 (one message per kind of problem)

@@ -59,7 +59,7 @@ CROSS_ATTENTION: Final = frozenset({"encoder_attn", "EncDecAttention", "crossatt
 _Pending = tuple[torch.Tensor, torch.Tensor, int]
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class ProjectionGroup:
     """The projections of one module fused into one product: the module (`parent`, at `path`), the members'
     names and modules, and the names of the buffers that hold the fused weight and bias."""
@@ -242,7 +242,15 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
     for path, parent, names, members in _candidates(model):
         reason = unfusable(path, parent, names, members)
         if reason is None:
-            chosen.append(ProjectionGroup(path, parent, names, members, tuple((m.weight, m.bias) for m in members)))
+            chosen.append(
+                ProjectionGroup(
+                    path=path,
+                    parent=parent,
+                    names=names,
+                    members=members,
+                    parameters=tuple((m.weight, m.bias) for m in members),
+                )
+            )
         else:
             skipped[f"{path}.{{{','.join(names)}}}"] = reason
     done: list[ProjectionGroup] = []

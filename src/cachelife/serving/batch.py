@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.beams import buffer_width
-from cachelife.generation.steps import LoopSettings
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.serving.admission import BatchView
 from cachelife.serving.batch_steps import BatchSteps
 from cachelife.serving.beam_groups import BeamProgram, group_output, start_group
@@ -54,7 +54,7 @@ from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.serving.window import Occupant, Placement
 
 
-@define
+@define(kw_only=True)
 class _Seat:
     """A request's rows: `size` rows from the row it is keyed by (its beams; 1 without beam search)."""
 
@@ -348,7 +348,7 @@ class Batch:
         logits = self.prefill(joining.input_ids[:1], joining.config, kwargs)
         self.prefill_seconds += time.perf_counter() - started
         self.prefills += 1
-        return Prefilled(logits, self.writes, 0, 0), encoder
+        return Prefilled(logits=logits, writes=self.writes, source=0, extra=0), encoder
 
     def _roll(self, shift: int) -> None:
         """Move every row's content `shift` slots along the cache (all rows alike, distances kept)."""

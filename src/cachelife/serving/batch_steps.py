@@ -19,14 +19,15 @@ from transformers.cache_utils import Cache
 from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, special_tokens
 from cachelife.generation.beams import BeamState
-from cachelife.generation.steps import LoopSettings, stepper
+from cachelife.generation.loop_settings import LoopSettings
+from cachelife.generation.steps import stepper
 from cachelife.serving.beam_groups import build_beam_program, engine_beam_steps
 from cachelife.serving.programs import Entry
 from cachelife.serving.requests import Joining
 from cachelife.serving.rows import Program, Rows, StepNames, build_program, engine_steps
 
 
-@frozen
+@frozen(kw_only=True)
 class BatchSteps:
     """The batch's step state, and the steps of its programs (see the module docstring)."""
 

@@ -22,7 +22,7 @@ from cachelife.generation.processors import TensorProcessor
 from cachelife.serving.rows import Rows, StepNames, per_row_buffers
 
 
-@frozen
+@frozen(kw_only=True)
 class BeamProgram:
     """The processors and beam settings of a batch of beam requests; `rows` are the per-row tensors of its
     processors' `ROW_FIELDS`, one entry per row that a group may hold."""
@@ -43,7 +43,7 @@ def build_beam_program(
         made, eos, batch=rows // beams, beams=beams, prompt_length=0, max_length=width,
         early_stopping=early_stopping, length_penalty=length_penalty, do_sample=do_sample, device=device,
     ).per_group()  # fmt: skip
-    return BeamProgram(key, plan, per_row_fields, fill)
+    return BeamProgram(key=key, plan=plan, rows=per_row_fields, fill=fill)
 
 
 def engine_beam_steps(

@@ -36,7 +36,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullError, RequestTimeoutError
 from cachelife.generation.api import check_generator, check_model, with_stop_string_criteria
 from cachelife.generation.arguments import merged_config
-from cachelife.generation.steps import CudaGraphs, LoopSettings
+from cachelife.generation.loop_settings import CudaGraphs, LoopSettings
 from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
@@ -55,7 +55,7 @@ from cachelife.serving.requests import (
 from cachelife.serving.stats import EngineStats
 from cachelife.serving.step_attention import StepAttention, check_attention, switch_attention
 from cachelife.serving.streaming import tokens_as_they_come
-from cachelife.validate import check_bool, check_choice, check_int
+from cachelife.validate import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +88,16 @@ class Engine:
         attention: StepAttention = "auto",
     ) -> None:
         check_model(model)
-        for name, value in (("rows", rows), ("max_length", max_length), ("steps_per_call", steps_per_call)):
-            check_int(name, value)
+        check_int("rows", rows)
+        check_int("max_length", max_length)
+        settings = LoopSettings(
+            steps_per_call=steps_per_call, compile_step=compile_step, fallback=False, cuda_graphs=cuda_graphs
+        )
         check_int("queue_size", queue_size, minimum=0)
         check_int("prepare_ahead", prepare_ahead, minimum=0)
-        check_bool("compile_step", compile_step)
-        check_choice("cuda_graphs", cuda_graphs, ("cachelife", "torch"))
         check_timeout(timeout)
         attention = check_attention(attention)
         self._model, self._timeout = model, timeout
-        settings = LoopSettings(steps_per_call, 1, compile_step, False, None, cuda_graphs)
         self._attention = switch_attention(model, attention)  # before the step compiles
         try:
             with torch.no_grad():
@@ -137,7 +137,6 @@ class Engine:
         check_request(self._model, kwargs)
         kwargs = own_copy(kwargs)
         timeout = self._timeout if timeout is None else timeout
-        future: Future[Any] = Future()
         with self._lock:
             if self._closed:
                 raise self._closed_error("and takes no new requests")
@@ -148,16 +147,15 @@ class Engine:
                 )
                 raise QueueFullError(msg)
             self._held += 1
-        deadline = None if timeout is None else time.monotonic() + timeout
-        request = Request(next(self._numbers), kwargs, generator, future, timeout, deadline)
+        request = Request(number=next(self._numbers), kwargs=kwargs, generator=generator, timeout=timeout)
         with self._lock:
             self._held_requests[request.number] = request
         # A cancelled request gives its place back at once, wherever it waits.
-        future.add_done_callback(lambda done: self._release(request) if done.cancelled() else None)
-        if deadline is not None:
-            self._deadlines.watch(request.number, deadline)
+        request.future.add_done_callback(lambda done: self._release(request) if done.cancelled() else None)
+        if request.deadline is not None:
+            self._deadlines.watch(request.number, request.deadline)
         self._workers.submit(self._run, request)
-        return future
+        return request.future
 
     async def generate(
         self, *, generator: torch.Generator | None = None, timeout: float | None = None, **kwargs: Any

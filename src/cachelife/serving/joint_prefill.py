@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.core.pinning import prepare_static_cache
-from cachelife.generation.steps import LoopSettings
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.serving.prefill import Prefill
 from cachelife.serving.requests import Joining
 from cachelife.serving.row_writes import RowWrites
@@ -64,7 +64,7 @@ def joint_groups(joinings: Sequence[Joining], joint: JointPrefill) -> list[list[
     return groups
 
 
-@frozen
+@frozen(kw_only=True)
 class Prefilled:
     """A newcomer's prefill, ready to be copied into its row: its last logits (1, vocab), the row writes of
     the scratch cache that holds it, its row in that cache, and the scratch slots before its first token."""
@@ -133,7 +133,7 @@ class JointPrefill:
         lifecycle(scratch).reset()
         logits = self.prefill.joint(torch.cat(ids), kwargs, scratch)
         return [
-            Prefilled(logits[index : index + 1], writes, index, longest - joining.prompt)
+            Prefilled(logits=logits[index : index + 1], writes=writes, source=index, extra=longest - joining.prompt)
             for index, joining in enumerate(joinings)
         ]
 

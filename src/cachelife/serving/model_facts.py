@@ -32,11 +32,13 @@ def step_names(model: PreTrainedModel) -> StepNames:
         if "position_ids" not in parameters:
             msg = f"{type(model).__name__}'s forward takes no position_ids, which the engine's rows need"
             raise UnsupportedGenerationError(msg)
-        return StepNames("input_ids", "attention_mask", "position_ids", cache)
+        return StepNames(tokens="input_ids", mask="attention_mask", positions="position_ids", cache=cache)
     if "decoder_position_ids" in parameters:
-        return StepNames("decoder_input_ids", "decoder_attention_mask", "decoder_position_ids", cache)
+        return StepNames(
+            tokens="decoder_input_ids", mask="decoder_attention_mask", positions="decoder_position_ids", cache=cache
+        )
     if model.config.model_type in _RELATIVE_POSITIONS:
-        return StepNames("decoder_input_ids", "decoder_attention_mask", None, cache)
+        return StepNames(tokens="decoder_input_ids", mask="decoder_attention_mask", positions=None, cache=cache)
     msg = (
         f"{type(model).__name__} computes its decoder positions from the cache's slot and takes no "
         "decoder_position_ids, so the engine's rows (which join at different steps) would be misplaced; "

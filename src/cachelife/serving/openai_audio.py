@@ -55,7 +55,7 @@ class AudioProcessor(Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
 
-@frozen(eq=False)  # an array has no one truth value
+@frozen(eq=False, kw_only=True)  # an array has no one truth value
 class Transcription:
     """A checked transcription request: mono samples in [-1, 1], the language, the sampling and the format."""
 
@@ -142,11 +142,11 @@ def parse_transcription(
     except ValueError:
         temperature = raw  # number() says what is wrong with it
     return Transcription(
-        audio,
-        str(language) if language is not None else None,
-        Sampling(number("temperature", temperature, 0, 1)),
-        str(response_format),
-        rate,
+        audio=audio,
+        language=str(language) if language is not None else None,
+        sampling=Sampling(number("temperature", temperature, 0, 1)),
+        response_format=str(response_format),
+        sampling_rate=rate,
     )
 
 
@@ -177,7 +177,7 @@ def transcription_kwargs(
     return kwargs
 
 
-@frozen
+@frozen(kw_only=True)
 class Segment:
     start: float
     end: float
@@ -195,8 +195,14 @@ def segments_of(output: Any, tokenizer: Tokenizer, timestamp_begin: int) -> list
     found = []
     for segment in output["segments"][0]:
         tokens = tuple(int(t) for t in segment["tokens"])
-        found.append(Segment(float(segment["start"]), float(segment["end"]), tokens,
-                             text_of(tokens, tokenizer, timestamp_begin)))  # fmt: skip
+        found.append(
+            Segment(
+                start=float(segment["start"]),
+                end=float(segment["end"]),
+                tokens=tokens,
+                text=text_of(tokens, tokenizer, timestamp_begin),
+            )
+        )
     return found
 
 

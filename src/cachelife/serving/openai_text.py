@@ -305,7 +305,7 @@ def answer_body(
     return {**answer.head(completion), "choices": shaped, "usage": usage}
 
 
-@define
+@define(kw_only=True)
 class TextDeltas:
     """A choice's text as it grows, token by token: each call to `add` returns the text not handed out yet.
     Every token is decoded with those before it (a tokenizer may write a token otherwise next to others); text

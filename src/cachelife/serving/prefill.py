@@ -23,8 +23,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from cachelife.core.cache_lifecycle import lifecycle
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.step_code import specialization
-from cachelife.generation.steps import LoopSettings, compiled_step, stepper, uses_own_graphs
+from cachelife.generation.steps import compiled_step, stepper, uses_own_graphs
 from cachelife.integration.runtime import FIRST_CALLS
 
 logger = logging.getLogger(__name__)

@@ -222,7 +222,7 @@ async def _events(
         asyncio.create_task(pump(i, stream, first))
         for i, (stream, first) in enumerate(zip(streams, firsts, strict=True))
     ]
-    deltas = [TextDeltas(answer.tokenizer, completion.stop) for _ in streams]
+    deltas = [TextDeltas(tokenizer=answer.tokenizer, stops=completion.stop) for _ in streams]
     generated: list[list[int]] = [[] for _ in streams]
     try:
         if completion.chat:

@@ -22,9 +22,9 @@ from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError, RequestTimeoutError, UnsupportedGenerationError
 from cachelife.generation.arguments import int_field, merged_config, unsupported_argument, unsupported_config
+from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.method import unsupported_criterion, unsupported_prompt, unsupported_window
 from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
-from cachelife.generation.steps import LoopSettings
 from cachelife.serving.model_facts import vocab_size
 from cachelife.serving.row_settings import PerRow
 from cachelife.serving.rows import unsupported_for_rows
@@ -35,18 +35,23 @@ ENGINE_SETTINGS = ("fallback", "steps_per_call", "stop_check_every", "compile_st
 _POLL_SECONDS = 0.05
 
 
-@define
+@define(kw_only=True)
 class Request:
     number: int
     kwargs: dict[str, Any]
     generator: torch.Generator | None
-    future: Future[Any]
     timeout: float | None
-    deadline: float | None
+    future: Future[Any] = field(factory=Future)  # what the caller waits on
+    # When it times out (`time.monotonic()` seconds), `timeout` seconds after it was made.
+    deadline: float | None = field(init=False)
     released: bool = False  # its place among the engine's held requests given back
 
+    @deadline.default
+    def _deadline(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
 
-@define
+
+@define(kw_only=True)
 class Joining:
     """A prepared request, from its `generate`'s thread to the scheduler and back."""
 

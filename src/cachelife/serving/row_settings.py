@@ -62,7 +62,7 @@ def _(values: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(values)
 
 
-@frozen
+@frozen(kw_only=True)
 class PerRow:
     """One request's values for the pipeline (Python values: written into a row when the request joins)."""
 
@@ -198,7 +198,7 @@ def _values(processor: lp.LogitsProcessor, eos: tuple[int, ...]) -> dict[str, ob
             return {"renormalize": True}
 
 
-@frozen
+@frozen(kw_only=True)
 class RowSettings:
     """Every row's values (static buffers, written by `write` at a join, read by the compiled step)."""
 

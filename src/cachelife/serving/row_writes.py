@@ -22,7 +22,8 @@ from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.core.layer_lifecycle import LayerLifecycle
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.graphs import GraphedSteps
-from cachelife.generation.steps import LoopSettings, uses_own_graphs
+from cachelife.generation.loop_settings import LoopSettings
+from cachelife.generation.steps import uses_own_graphs
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (the batch's tensor, the scratch cache's)
 
@@ -76,9 +77,14 @@ class RowWrites:
         self._run: Callable[[], int] = self._eager
         if uses_own_graphs(settings, device):
             graphed = GraphedSteps(
-                model, "engine row writes", lambda index, settings: write_row(**self.arguments), 1,
-                (cache, scratch, self.arguments), (), device,
-            )  # fmt: skip
+                model=model,
+                name="engine row writes",
+                call=lambda index, settings: write_row(**self.arguments),
+                calls=1,
+                in_place=(cache, scratch, self.arguments),
+                settings=(),
+                device=device,
+            )
             self._run = graphed.advance
 
     def write(self, row: int, start: int, slot: int, source: int = 0) -> None:

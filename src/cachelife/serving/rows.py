@@ -54,7 +54,7 @@ PER_ROW: Final = "per-row"
 _ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty, Occurrences, WhisperTimestamps)
 
 
-@frozen
+@frozen(kw_only=True)
 class StepNames:
     """The forward's arguments: the token input, the decoder's mask over the cache, its position ids (None:
     T5's relative positions, read from the slots, need none) and the cache."""
@@ -65,7 +65,7 @@ class StepNames:
     cache: str
 
 
-@frozen
+@frozen(kw_only=True)
 class Rows:
     """Static buffers, mutated in place."""
 
@@ -80,13 +80,13 @@ class Rows:
     @classmethod
     def allocate(cls, rows: int, width: int, slots: int, device: torch.device) -> Rows:
         made = cls(
-            torch.zeros(rows, width, dtype=torch.long, device=device),
-            torch.ones(rows, dtype=torch.long, device=device),
-            torch.zeros(rows, dtype=torch.bool, device=device),
-            torch.zeros(rows, dtype=torch.bool, device=device),
-            torch.ones(rows, dtype=torch.long, device=device),
-            torch.ones(rows, slots, dtype=torch.long, device=device),
-            torch.zeros(rows, dtype=torch.long, device=device),
+            tokens=torch.zeros(rows, width, dtype=torch.long, device=device),
+            length=torch.ones(rows, dtype=torch.long, device=device),
+            unfinished=torch.zeros(rows, dtype=torch.bool, device=device),
+            active=torch.zeros(rows, dtype=torch.bool, device=device),
+            max_length=torch.ones(rows, dtype=torch.long, device=device),
+            mask=torch.ones(rows, slots, dtype=torch.long, device=device),
+            padding=torch.zeros(rows, dtype=torch.long, device=device),
         )
         for tensor in attrs.astuple(made, recurse=False):
             torch._dynamo.mark_static_address(tensor)
@@ -126,7 +126,7 @@ class Rows:
         self.mask[row].fill_(1)
 
 
-@frozen
+@frozen(kw_only=True)
 class Program:
     """The processors of a batch and how it picks tokens; `rows` are the per-row tensors of its processors'
     `ROW_FIELDS`, (rows, 1) each, in the order `row_values` lists them. A program of the per-row pipeline has
@@ -142,7 +142,9 @@ class Program:
 
 
 def per_row_program(settings: RowSettings, *, sampling: bool) -> Program:
-    return Program((PER_ROW, sampling), (), (), sampling, None, 0, settings)
+    return Program(
+        key=(PER_ROW, sampling), processors=(), rows=(), do_sample=sampling, eos=None, pad=0, settings=settings
+    )
 
 
 def shares_batch(key: tuple[object, ...], other: tuple[object, ...]) -> bool:
@@ -177,7 +179,7 @@ def build_program(
 ) -> Program:  # fmt: skip
     """A program from one request's converted processors, the per-row fields as (rows, 1) buffers."""
     made, per_row = per_row_buffers(converted, rows)
-    return Program(key, made, per_row, do_sample, eos, pad)
+    return Program(key=key, processors=made, rows=per_row, do_sample=do_sample, eos=eos, pad=pad)
 
 
 def per_row_buffers(

@@ -16,7 +16,7 @@ from attrs import define, frozen
 from cachelife.serving.rows import Rows
 
 
-@frozen
+@frozen(kw_only=True)
 class Snapshot:
     """The rows' state after the step call numbered `taken` (`Batch.calls`)."""
 
@@ -60,4 +60,6 @@ class Snapshots:
         if self.cuda:
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             copied.record()
-        return Snapshot(taken, length, unfinished, token_buffer if tokens else None, copied)
+        return Snapshot(
+            taken=taken, length=length, unfinished=unfinished, tokens=token_buffer if tokens else None, copied=copied
+        )

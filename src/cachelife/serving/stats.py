@@ -5,7 +5,7 @@ from __future__ import annotations
 from attrs import frozen
 
 
-@frozen
+@frozen(kw_only=True)
 class EngineStats:
     """A snapshot: requests decoding (a beam request holds a group of rows), prepared requests waiting for
     rows, requests held (submitted, not done), steps run, the cache's write slot, how often the rows' content

@@ -62,7 +62,7 @@ def _rerecords() -> int:
     return sum(sum(per_function.values()) for per_function in manager.num_rerecord.values())
 
 
-@frozen
+@frozen(kw_only=True)
 class CallReport:
     """One compiled `generate` call."""
 
@@ -73,7 +73,7 @@ class CallReport:
     health: CudaGraphHealth
 
 
-@frozen
+@frozen(kw_only=True)
 class RecipeReport:
     """A whole recipe run: environment, eager reference time, and every compiled call."""
 
@@ -187,7 +187,9 @@ def run_recipe(
         except Exception as raised:  # the vanilla recipe's failure is what we report
             seconds, equal = None, None
             error = f"{type(raised).__name__}: {raised}"[:2000] + "\n" + traceback.format_exc()[-1500:]
-        reports.append(CallReport(index, seconds, equal, error, CudaGraphHealth.now()))
+        reports.append(
+            CallReport(index=index, seconds=seconds, equal_to_eager=equal, error=error, health=CudaGraphHealth.now())
+        )
         if error is not None:
             break
     return RecipeReport(
