@@ -13,7 +13,7 @@ them (ms per step and kernels per step), and the device's idle time (the window'
 kernels' intervals, per step): how much of a step the device waits for the host. Each measurement also gives
 the ratio of its wall ms per step to the first one's (the first options set's first rows value).
 Then the first two rows decode to their end and are judged against transformers (bench.verdict, tokens).
-`--enable` measures every rows value once per set of `cachelife.enable` options (`/` between sets, `,` between
+`--enable` measures every rows value once per set of `cachelife.Options` levers (`/` between sets, `,` between
 the options of one set, `none` for none): the model is enabled with the set's options (each True), measured,
 and disabled again, so that every lever's wall time per step is measured beside the default in one process.
 Writes `<out>/engine-step-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
@@ -35,6 +35,8 @@ from bench.profile_step import GROUPS, OTHER, group_of
 from bench.results_file import bench_parser, results_file
 from bench.verdict import judge
 from cachelife.integration.enabling import disable, enable
+from cachelife.integration.options import Options
+from cachelife.integration.rewrites import REWRITES
 from cachelife.serving.engine import Engine
 from cachelife.serving.step_attention import StepAttention, check_attention
 from cachelife.tools import zoo
@@ -65,7 +67,7 @@ def device_kernels(profiler: Any) -> list[tuple[str, int, int]]:
 
 
 def option_sets(text: str) -> list[tuple[str, ...]]:
-    """`--enable`'s sets of `cachelife.enable` options: `/` between sets, `,` within one, `none` for none."""
+    """`--enable`'s sets of `cachelife.Options` levers: `/` between sets, `,` within one, `none` for none."""
     sets = []
     for part in text.split("/"):
         names = tuple(name for name in part.split(",") if name and name != "none")
@@ -81,16 +83,18 @@ def option_sets(text: str) -> list[tuple[str, ...]]:
 MIN_STEPS = 4
 # Whisper's longest decoder prompt: start of transcript, language, task, no timestamps.
 WHISPER_DECODER_PROMPT = 4
-LEVERS = ("fuse_projections", "decode_attention", "small_linear", "compile_regions")
+# The boolean fields of `cachelife.Options`, one rewrite each.
+LEVERS = tuple(rewrite.option for rewrite in REWRITES)
 
 
 @contextmanager
-def enabled(model: Any, options: tuple[str, ...]) -> Iterator[None]:
-    """The model enabled with `options` (each True) for the block, disabled after; nothing for no options."""
-    if not options:
+def enabled(model: Any, levers: tuple[str, ...]) -> Iterator[None]:
+    """The model enabled with `levers` on (`cachelife.Options`) for the block, disabled after; nothing for none."""
+    if not levers:
         yield
         return
-    enable(model, **dict.fromkeys(options, True))  # type: ignore[arg-type]  # only the boolean levers
+    on: dict[str, Any] = dict.fromkeys(levers, True)
+    enable(model, options=Options(**on))
     try:
         yield
     finally:

@@ -9,9 +9,9 @@ each alone and together.
 llama-3.2-1b (the Llama-3.2-1B shape of bench.padded). Encoder-decoder models read 48 encoder tokens (Whisper:
 its 30 s of features), decoder-only models a prompt of 16 tokens. Each preset runs in a fresh process (nothing
 compiled or set leaks from one to the next) with an empty TORCHINDUCTOR_CACHE_DIR, so its first call is a full
-compilation. In it, on a model enabled with the preset's `cachelife.enable` options, `cachelife.generate` (the
-model's own generation config, exactly N new tokens, 1 step per CUDA graph replay, `compile_options=` the
-preset's inductor options, inside `torch.nn.attention.sdpa_kernel(...)` where the preset picks attention kernels)
+compilation. In it, on a model enabled with the preset's `cachelife.Options` (its levers and the inductor options
+of the compiled step), `cachelife.generate` (the model's own generation config, exactly N new tokens, 1 step per
+CUDA graph replay, inside `torch.nn.attention.sdpa_kernel(...)` where the preset picks attention kernels)
 gives: the first call (seconds, compilation included), the marginal wall time per step and, on CUDA, the GPU
 kernel time and kernel count per step ((long run - short run) / steps, profiled), and the first `--tokens`
 tokens of the long run. Correctness against the baseline preset of the same dtype: the tokens must be equal
@@ -32,12 +32,12 @@ attention_math / attention_flash (SDPA restricted to the math kernels, which ind
 memory-efficient attention, where the default picks cuDNN on an H200); attention_flex (the model's
 `flex_attention` implementation, whose compiled kernels split the positions over blocks at one query); together
 (`cachelife.FAST_KERNELS`: combo_kernels + coordinate_descent, the two that cut kernels in GPU run 17); fused
-(`enable(..., fuse_projections=True)`); decode_attention (`enable(..., decode_attention=True)`: cachelife's
-split-KV attention kernel, its torch fallback off CUDA); fused_decode_attention (both); all (both, with
+(`Options(fuse_projections=True)`); decode_attention (`Options(decode_attention=True)`: cachelife's split-KV
+attention kernel, its torch fallback off CUDA); fused_decode_attention (both); all (`cachelife.FAST`: both, with
 `cachelife.FAST_KERNELS`); pdl (inductor's programmatic dependent launch for its Triton kernels, Hopper and
-newer: a kernel starts while the one before it ends); small_linear (`enable(..., small_linear=True)`: the
-step's products of few rows through cachelife's Triton kernel); fused_small_linear (with fused projections);
-regions (`enable(..., compile_regions=True)`: each layer class compiled once); all_regions (all, with regions).
+newer: a kernel starts while the one before it ends); small_linear (`Options(small_linear=True)`: the step's
+products of few rows through cachelife's Triton kernel); fused_small_linear (with fused projections); regions
+(`Options(compile_regions=True)`: each layer class compiled once); all_regions (`cachelife.FAST` with regions).
 Writes
 `<out>/levers-<model>-b<batch>-<dtypes>[-<presets>]-<device>-<date>-tf<version>.json`.
 """
@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from attrs import frozen
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -80,38 +81,37 @@ PROMPT_LENGTH = 16
 LLAMA = "llama-3.2-1b"
 
 
-@frozen
+@frozen(kw_only=True)
 class Preset:
-    options: dict[str, bool | int | str]
+    enable: cachelife.Options = cachelife.EXACT  # what the model is enabled with, the step's inductor options too
     attention: tuple[SDPBackend, ...] = ()  # empty: SDPA picks as by default
     attn_implementation: str | None = None  # set on the model after it is built; None: the model's default
-    fuse_projections: bool = False  # cachelife.enable's kernel options
-    decode_attention: bool = False
-    small_linear: bool = False
-    compile_regions: bool = False
+
+
+def compiled_with(**options: bool) -> Preset:
+    """The default levers, the step compiled with these inductor options."""
+    return Preset(enable=cachelife.Options(compile_options=options))
 
 
 PRESETS: dict[str, Preset] = {
-    "baseline": Preset({}),
-    "max_autotune_gemm": Preset({"max_autotune_gemm": True}),
-    "coordinate_descent": Preset({"coordinate_descent_tuning": True}),
-    "combo_kernels": Preset({"combo_kernels": True}),
-    "freezing": Preset({"freezing": True}),
-    "attention_math": Preset({}, (SDPBackend.MATH,)),
-    "attention_flash": Preset({}, (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
-    "attention_flex": Preset({}, attn_implementation="flex_attention"),
-    "together": Preset(dict(cachelife.FAST_KERNELS)),
-    "fused": Preset({}, fuse_projections=True),
-    "decode_attention": Preset({}, decode_attention=True),
-    "fused_decode_attention": Preset({}, fuse_projections=True, decode_attention=True),
-    "all": Preset(dict(cachelife.FAST_KERNELS), fuse_projections=True, decode_attention=True),
-    "pdl": Preset({"triton.enable_pdl": True}),
-    "small_linear": Preset({}, small_linear=True),
-    "fused_small_linear": Preset({}, fuse_projections=True, small_linear=True),
-    "regions": Preset({}, compile_regions=True),
-    "all_regions": Preset(
-        dict(cachelife.FAST_KERNELS), fuse_projections=True, decode_attention=True, compile_regions=True
-    ),
+    "baseline": Preset(enable=cachelife.EXACT),
+    "max_autotune_gemm": compiled_with(max_autotune_gemm=True),
+    "coordinate_descent": compiled_with(coordinate_descent_tuning=True),
+    "combo_kernels": compiled_with(combo_kernels=True),
+    "freezing": compiled_with(freezing=True),
+    "attention_math": Preset(attention=(SDPBackend.MATH,)),
+    "attention_flash": Preset(attention=(SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
+    "attention_flex": Preset(attn_implementation="flex_attention"),
+    "together": Preset(enable=cachelife.Options(compile_options=cachelife.FAST_KERNELS)),
+    "fused": Preset(enable=cachelife.Options(fuse_projections=True)),
+    "decode_attention": Preset(enable=cachelife.Options(decode_attention=True)),
+    "fused_decode_attention": Preset(enable=cachelife.Options(fuse_projections=True, decode_attention=True)),
+    "all": Preset(enable=cachelife.FAST),
+    "pdl": compiled_with(**{"triton.enable_pdl": True}),
+    "small_linear": Preset(enable=cachelife.Options(small_linear=True)),
+    "fused_small_linear": Preset(enable=cachelife.Options(fuse_projections=True, small_linear=True)),
+    "regions": Preset(enable=cachelife.Options(compile_regions=True)),
+    "all_regions": Preset(enable=attrs.evolve(cachelife.FAST, compile_regions=True)),
 }
 
 
@@ -173,7 +173,7 @@ def teacher_forced_logits(
     pinned cache: every preset sees the same inputs, so the differences are the preset's numerics alone."""
     if compiled:
         mode = "reduce-overhead" if model.device.type == "cuda" else None
-        options: InductorOptions = {**preset.options, "emulate_precision_casts": True}  # as generate's step compiles
+        options: InductorOptions = {**preset.enable.compile_options, "emulate_precision_casts": True}  # as the step
         cachelife.compile_forward(model, mode=mode, fullgraph=True, options=options)
     key = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"
     batch, steps = int(tokens.shape[0]), int(tokens.shape[1]) - 1
@@ -203,19 +203,14 @@ def child(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     model, inputs = model_and_inputs(args.model, args.batch_size, device, dtype)
-    cachelife.enable(
-        model, fuse_projections=preset.fuse_projections, decode_attention=preset.decode_attention,
-        small_linear=preset.small_linear, compile_regions=preset.compile_regions,
-    )  # fmt: skip
+    cachelife.enable(model, options=preset.enable)  # the step's inductor options too
     if preset.attn_implementation is not None:
         model.set_attn_implementation(preset.attn_implementation)
 
     def run(tokens: int) -> torch.Tensor:
         out = cachelife.generate(
-            model, fallback=False, compile_step=not args.eager_step,
-            compile_options=None if args.eager_step else preset.options, **inputs,
-            **settings_for(args.model, 0, tokens),
-        )  # fmt: skip
+            model, fallback=False, compile_step=not args.eager_step, **inputs, **settings_for(args.model, 0, tokens)
+        )
         return as_tokens(out)
 
     scratch = Path(args.scratch)
@@ -229,13 +224,10 @@ def child(args: argparse.Namespace) -> None:
             long = min(timed(device, lambda: run(args.long))[0] for _ in range(3))
             record: dict[str, Any] = {
                 "preset": args.child,
-                "options": preset.options,
+                "options": dict(preset.enable.compile_options),
                 "attention": [backend.name for backend in preset.attention],
                 "enable": {
-                    "fuse_projections": preset.fuse_projections,
-                    "decode_attention": preset.decode_attention,
-                    "small_linear": preset.small_linear,
-                    "compile_regions": preset.compile_regions,
+                    name: value for name, value in attrs.asdict(preset.enable).items() if name != "compile_options"
                 },
                 "attn_implementation": model.config._attn_implementation,
                 "first_call_s": round(first_call_s, 3),

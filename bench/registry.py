@@ -186,7 +186,7 @@ _ENTRIES = (
     Benchmark(
         "kernels-whisper-linear", "bench.levers",
         _levers("baseline,small_linear,fused,fused_small_linear", "--concurrent"),
-        "cachelife's small-batch linear kernel in the step (enable(small_linear=True)), alone and with fused "
+        "cachelife's small-batch linear kernel in the step (Options(small_linear=True)), alone and with fused "
         "projections, against the baseline and fused projections alone, whisper-large-v3 shape, bf16, batch 1, "
         "the presets compiled at once",
         "cuda", "levers-whisper-large-v3-b1-bfloat16-small_linear-fused-fused_small_linear-*cuda*.json",
@@ -260,12 +260,12 @@ _ENTRIES = (
          "cachelife-generate,cachelife-generate-regions,cachelife-generate-beams-regions", "--dtype", "bfloat16",
          "--tag", "regions"),
         "warm starts of cachelife.generate on the whisper-large-v3 shape (bf16, batch 4) with and without "
-        "enable(compile_regions=True) (each layer class compiled once), greedy, and 5 beams with regions",
+        "Options(compile_regions=True) (each layer class compiled once), greedy, and 5 beams with regions",
         "cuda", "warm-start-regions-*cuda*.json",
     ),
     Benchmark(
         "kernels-whisper-regions", "bench.levers", _levers("baseline,regions,all,all_regions", "--concurrent"),
-        "the step with enable(compile_regions=True) against the baseline, alone and with all of cachelife's kernels "
+        "the step with Options(compile_regions=True) against the baseline, alone and with all of cachelife's kernels "
         "and cachelife.FAST_KERNELS, whisper-large-v3 shape, bf16, batch 1, the presets compiled at once",
         "cuda", "levers-whisper-large-v3-b1-bfloat16-regions-all-all_regions-*cuda*.json",
     ),
@@ -525,7 +525,7 @@ _ENTRIES = (
         "warm-start-regions-cpu", "bench.warm_start",
         ("--device", "cpu", "--models", "t5-base", "--paths", "cachelife-generate,cachelife-generate-regions",
          "--new-tokens", "8", "--tag", "regions"),
-        "warm starts of cachelife.generate on the CPU with and without enable(compile_regions=True), t5-base "
+        "warm starts of cachelife.generate on the CPU with and without Options(compile_regions=True), t5-base "
         "shape (12+12 layers) with its generation config",
         "cpu", "warm-start-regions-cpu-*.json",
     ),

@@ -8,7 +8,7 @@ For each model (with its own generation config; Whisper: language "en", task "tr
 bench/generate.py) and path (`generate`: `model.generate` on an enabled model with a compiled forward,
 `mode="reduce-overhead"` on a GPU; `cachelife-generate`: `cachelife.generate(model, fallback=False, ...)`, 1
 step per call; `cachelife-generate-beams`: the same with 5 beams; `...-regions`: either on a model enabled with
-`compile_regions=True`, its layers compiled once), every call decoding exactly `--new-tokens`
+`cachelife.Options(compile_regions=True)`, its layers compiled once), every call decoding exactly `--new-tokens`
 tokens, three fresh processes, one after another:
 - `empty_dir`: an empty TORCHINDUCTOR_CACHE_DIR (the first deployment); after warm-up it saves
   `cachelife.save_compile_artifacts`;
@@ -60,7 +60,7 @@ def child(args: argparse.Namespace) -> None:
         load_s = time.perf_counter() - started
     device = pick_device(args.device)
     built = build(args.model, False, device, getattr(torch, args.dtype))
-    model = cachelife.enable(built.model, compile_regions=args.path.endswith("-regions"))
+    model = cachelife.enable(built.model, options=cachelife.Options(compile_regions=args.path.endswith("-regions")))
     inputs = built.inputs(BATCH, LENGTH, 1)
     beams = BEAMS if "-beams" in args.path else 0
     call = PATHS[args.path](model, inputs, settings_for(args.model, beams, args.new_tokens))
