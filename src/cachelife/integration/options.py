@@ -1,6 +1,6 @@
 """What `cachelife.enable` installs on a model, as one value: `Options`, frozen, keyword-only and checked when it
 is made, and its presets: `EXACT` (nothing on, the default: tokens equal `model.generate`'s) and `FAST` (the
-levers that cut the decoding step's time, at the price of other rounding).
+levers that cut the decoding step's kernel time, at the price of other rounding).
 
 Each boolean field is one lever, applied to the model as one reversible rewrite
 (`cachelife.integration.rewrites`); `compile_options` are the inductor options of cachelife's compiled steps.
