@@ -80,23 +80,13 @@ class BeamPlan:
         width = buffer_width(max_length)
         scale = [_power(generated, length_penalty) for generated in range(width + 2)]
         return cls(
-            processors=processors,
-            eos=eos,
-            batch=batch,
-            beams=beams,
-            keep=keep,
-            prompt_length=prompt_length,
-            max_length=max_length,
-            width=width,
-            prompt=torch.tensor(prompt_length, device=device),
-            limit=torch.tensor(max_length, device=device),
-            early_stopping=early_stopping,
-            do_sample=do_sample,
-            sort_samples=do_sample and transformers_sorts_samples(),
-            top_beam_mask=mask.to(device),
+            processors=processors, eos=eos, batch=batch, beams=beams, keep=keep, prompt_length=prompt_length,
+            max_length=max_length, width=width, prompt=torch.tensor(prompt_length, device=device),
+            limit=torch.tensor(max_length, device=device), early_stopping=early_stopping, do_sample=do_sample,
+            sort_samples=do_sample and transformers_sorts_samples(), top_beam_mask=mask.to(device),
             length_scale=_reciprocals(scale, device),
             heuristic_at_limit=early_stopping == "never" and length_penalty > 0.0,
-        )
+        )  # fmt: skip
 
     def per_group(self) -> BeamPlan:
         """The plan with a prompt length and a limit per input, (batch,) static buffers the caller fills (the
