@@ -194,7 +194,7 @@ def prepared_processors(
     converted: tuple[TensorProcessor, ...] = ()
     if reason is None:
         converted = tensor_processors(processors, vocab_size=vocab, device=model.device)
-        reason = unsupported_for_rows(converted)
+        reason = unsupported_for_rows(converted, processors)
     if reason is not None:
         msg = f"the engine does not decode {reason}; call cachelife.generate for this request"
         raise UnsupportedGenerationError(msg)
