@@ -456,19 +456,35 @@ def test_bad_requests_are_refused_before_any_work(
 
 
 @pytest.mark.parametrize(
-    ("settings", "match"),
+    ("settings", "error", "match"),
     [
-        ({"num_beams": 2}, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
-        ({"max_new_tokens": 60}, "the engine's max_length is 16"),
-        ({"bad_words_ids": [[5, 6]]}, "NoBadWords"),
+        ({"num_beams": 2}, InvalidArgumentError, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
+        ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine's max"),
+        ({"max_length": 30}, InvalidArgumentError, r"max_length is 30 \(prompt 4"),
+        ({"bad_words_ids": [[5, 6]]}, UnsupportedGenerationError, "bad_words_ids"),
+        ({"sequence_bias": {(5,): -1.0}}, UnsupportedGenerationError, "sequence_bias"),
+        ({"do_sample": True, "num_return_sequences": 2}, UnsupportedGenerationError,
+         "num_return_sequences=2 without beam search"),
+        ({"return_dict_in_generate": True}, UnsupportedGenerationError, "return_dict_in_generate=True"),
     ],
-)
-def test_what_the_engine_does_not_decode_fails_the_request(
-    llama: zoo.ZooModel, settings: dict[str, Any], match: str
+)  # fmt: skip
+def test_what_the_engine_does_not_decode_is_refused_at_submit_by_name(
+    llama: zoo.ZooModel, settings: dict[str, Any], error: type[Exception], match: str
 ) -> None:
     with Engine(llama.model, rows=1, max_length=16, compile_step=False) as engine:
-        future: Future[Any] = engine.submit(**llama.inputs(1, 4, 0), **{"max_new_tokens": 4, **settings})
-        with pytest.raises((UnsupportedGenerationError, InvalidArgumentError), match=match):
+        budget = {} if "max_length" in settings else {"max_new_tokens": 4}
+        with pytest.raises(error, match=match):
+            engine.submit(**llama.inputs(1, 4, 0), **{**budget, **settings})
+        assert engine.stats().held == 0
+
+
+def test_what_generate_prepares_past_the_rows_fails_the_request_by_name() -> None:
+    # Whisper's decoder prompt is known once its generate prepared it: a request whose prompt and new tokens
+    # pass the engine's max_length fails its future, naming both.
+    built = build("whisper")
+    with Engine(built.model, rows=1, max_length=12, compile_step=False) as engine:
+        future: Future[Any] = engine.submit(**built.inputs(1, 0, 0), max_new_tokens=11)
+        with pytest.raises(InvalidArgumentError, match="the engine's max_length is 12"):
             future.result(timeout=120)
 
 
