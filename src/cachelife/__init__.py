@@ -125,13 +125,12 @@ _DEPRECATED: dict[str, str] = {
     "runtime_of": "cachelife.integration.runtime",
     "configure_from_environment": "cachelife.log",
 }
-# Where the public names already do the job, the warning says how.
+# The public way to do what an old name did, where there is one.
 _INSTEAD: dict[str, str] = {
-    "decode": "or call cachelife.generate(model, **inputs, fallback=False)",
-    "pin_for_model": "or build the cache with cachelife.prepare_static_cache",
-    "infer_cache_shapes": "or call cachelife.model_cache_shapes(model)",
-    "release_pool": "or call cachelife.release(model) or cachelife.pool_of(model).clear()",
-    "configure_from_environment": "though `import cachelife` already applies CACHELIFE_LOG",
+    "decode": "cachelife.generate(model, **inputs, fallback=False)",
+    "pin_for_model": "cachelife.prepare_static_cache(model, ...)",
+    "infer_cache_shapes": "cachelife.model_cache_shapes(model)",
+    "release_pool": "cachelife.pool_of(model).clear()",
 }
 
 
@@ -141,8 +140,8 @@ def __getattr__(name: str) -> object:
     if home is None:
         msg = f"module 'cachelife' has no attribute {name!r}"
         raise AttributeError(msg, name=name)
-    advice = ", ".join(filter(None, [f"import it from {home}", _INSTEAD.get(name)]))
-    message = f"cachelife.{name} is deprecated and will be removed in {_REMOVED_IN}; {advice}"
+    instead = f", or use {_INSTEAD[name]}" if name in _INSTEAD else ""
+    message = f"cachelife.{name} is deprecated and will be removed in {_REMOVED_IN}; import it from {home}{instead}"
     _warnings.warn(message, DeprecationWarning, stacklevel=2)
     return getattr(_importlib.import_module(home), name)
 

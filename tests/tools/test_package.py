@@ -143,7 +143,8 @@ def test_from_import_of_a_deprecated_name_warns_at_the_import() -> None:
 
 
 def test_a_deprecated_name_with_a_public_replacement_names_it() -> None:
-    with pytest.warns(DeprecationWarning, match=r"or call cachelife\.generate\(model, \*\*inputs, fallback=False\)"):
+    instead = re.escape("or use cachelife.generate(model, **inputs, fallback=False)")
+    with pytest.warns(DeprecationWarning, match=rf"; import it from cachelife\.generation\.decode, {instead}$"):
         _ = cachelife.decode
 
 
