@@ -9,7 +9,8 @@
   `cachelife.integration.skips` (`debugging`);
 - `cachelife-results`, `cachelife-suite-runs`: the benchmark results under `bench/results/` (`results`,
   `records`, `provenance`);
-- `cachelife-api`: autodoc for every name in `cachelife.__all__` (`api`).
+- `cachelife-api`: autodoc for every name in `cachelife.__all__`, grouped by task (`api`, `api_groups`), and for
+  every error of `cachelife.errors`.
 
 The repository root is the config value `cachelife_repository` (set by conf.py).
 """
