@@ -54,6 +54,7 @@ from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, timed
 from bench.verdict import judge
 from cachelife.generation.steps import CudaGraphs
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
@@ -191,7 +192,7 @@ _MODELS: dict[str, PreTrainedModel] = {}
 def _captures(model_kind: str) -> int:
     """Graphs cachelife captured so far for the model of that kind in this measurement (0 if none)."""
     model = _MODELS.get(model_kind)
-    return 0 if model is None else cachelife.runtime_of(model).captures
+    return 0 if model is None else runtime_of(model).captures
 
 
 def measure(name: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

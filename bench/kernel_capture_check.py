@@ -23,6 +23,7 @@ from pathlib import Path
 CASE = """
 import contextlib, torch, cachelife
 from cachelife.tools import zoo
+from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.attention_implementation import use_decode_attention
 built = zoo.build({model!r}, device="cuda")
 inputs = built.inputs(2, 9, 1)
@@ -35,7 +36,7 @@ with profiled if profiled is not None else contextlib.nullcontext():
 torch.cuda.synchronize()
 again = cachelife.generate(model, fallback=False, max_new_tokens=24, min_new_tokens=24, **inputs)
 torch.cuda.synchronize()
-print("RESULT", torch.equal(first, expected), torch.equal(again, expected), cachelife.runtime_of(model).captures)
+print("RESULT", torch.equal(first, expected), torch.equal(again, expected), runtime_of(model).captures)
 """
 
 CASES = {"no profiler": (False, "0"), "profiler": (True, "0"), "profiler, blocking launches": (True, "1")}

@@ -21,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel, T5Config, T5ForConditionalGeneration
 
 import cachelife
+from cachelife.errors import InvalidArgumentError
+from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.fusion import FusedProjections, fuse_projections
 from cachelife.tools import zoo
 
@@ -181,10 +183,10 @@ def test_enable_again_without_fusion_restores_and_releases() -> None:
     cachelife.enable(model)
     assert not fused_buffers(model)
     cachelife.generate(model, compile_step=False, **inputs, **SETTINGS)
-    assert len(cachelife.runtime_of(model).states) > 0
+    assert len(runtime_of(model).states) > 0
     cachelife.enable(model, fuse_projections=True)
     assert_fused(model)
-    assert len(cachelife.runtime_of(model).states) == 0  # released: graphs and steps read the old weights
+    assert len(runtime_of(model).states) == 0  # released: graphs and steps read the old weights
     cachelife.enable(model, fuse_projections=True)  # unchanged: nothing happens
     assert_fused(model)
     cachelife.enable(model)
@@ -195,7 +197,7 @@ def test_enable_again_without_fusion_restores_and_releases() -> None:
 
 def test_fuse_projections_is_refused_unless_a_bool() -> None:
     model = build("llama").model
-    with pytest.raises(cachelife.InvalidArgumentError, match="fuse_projections must be True or False"):
+    with pytest.raises(InvalidArgumentError, match="fuse_projections must be True or False"):
         cachelife.enable(model, fuse_projections="yes")  # type: ignore[arg-type]  # the mistake under test
     assert not cachelife.is_enabled(model)
     assert not fused_buffers(model)

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 import cachelife
 from cachelife.errors import InvalidArgumentError
+from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.layer_regions import UNMARKED, mark_layer_regions, stacks
 from cachelife.tools import zoo
 
@@ -106,7 +107,7 @@ def test_turning_it_off_restores_the_layers_and_releases_the_runtime(monkeypatch
     model, inputs = built.model, built.inputs(1, 5, 2)
     cachelife.enable(model, compile_regions=True)
     first = cachelife.generate(model, fallback=False, compile_step=False, **inputs, **SETTINGS)
-    runtime = cachelife.runtime_of(model)
+    runtime = runtime_of(model)
     release = type(runtime).release
     released: list[object] = []
 
@@ -168,4 +169,4 @@ def test_graphs_with_regions_have_eager_tokens_on_cuda(name: str) -> None:
         tokens = cachelife.generate(model, fallback=False, max_new_tokens=24, min_new_tokens=24, **inputs)
         assert isinstance(tokens, torch.Tensor)
         assert torch.equal(tokens, expected)
-    assert cachelife.runtime_of(model).captures == 1
+    assert runtime_of(model).captures == 1

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 import cachelife
 from cachelife.errors import InvalidArgumentError
 from cachelife.integration.enabling import small_linear_of
+from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.linear import TAKEN_FEATURES, SmallLinearProducts
 from cachelife.tools import zoo
 
@@ -157,4 +158,4 @@ def test_graphs_take_the_kernel_with_eager_tokens_on_cuda(name: str) -> None:
     assert isinstance(again, torch.Tensor)
     assert torch.equal(first, expected)
     assert torch.equal(again, expected)
-    assert cachelife.runtime_of(model).captures == 1
+    assert runtime_of(model).captures == 1
