@@ -459,7 +459,7 @@ def test_bad_requests_are_refused_before_any_work(
     ("settings", "error", "match"),
     [
         ({"num_beams": 2}, InvalidArgumentError, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
-        ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine's max"),
+        ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine"),
         ({"max_length": 30}, InvalidArgumentError, r"max_length is 30 \(prompt 4"),
         ({"bad_words_ids": [[5, 6]]}, UnsupportedGenerationError, "bad_words_ids"),
         ({"sequence_bias": {(5,): -1.0}}, UnsupportedGenerationError, "sequence_bias"),
