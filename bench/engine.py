@@ -62,7 +62,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 import cachelife
-from bench.decode import auto_compile
+from bench.generate import auto_compile
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, synchronize

@@ -45,10 +45,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import CompileConfig, PreTrainedModel
 
 import cachelife
-from bench.decode import auto_compile
 from bench.padded import build_model, padded_prompts, spread_lengths
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, timed
@@ -95,6 +94,14 @@ def built_afresh(name: str, tiny: bool, device: torch.device, dtype: torch.dtype
     if tiny and name == "bart-large-cnn":
         zoo.bart_cnn_generation(config)
     return built
+
+
+def auto_compile(device: torch.device) -> dict[str, Any]:
+    """`generate` keywords for transformers' auto-compile: a static cache and a `compile_config` (CUDA graphs on
+    a GPU), on any device."""
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:

@@ -45,34 +45,11 @@ def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float
         gc.enable()
 
 
-def greedy(tokens: int) -> dict[str, Any]:
-    """`generate` settings for exactly `tokens` new tokens, greedy."""
-    return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
-
-
-def kernels_per_step(
-    device: torch.device, run: Callable[[int], Any], short: int, long: int
-) -> tuple[float, float] | None:
-    """GPU kernel milliseconds and kernel launches per decoding step, measured the marginal way: (a run of
-    `long` new tokens - a run of `short`) / (long - short), each under torch.profiler. None off CUDA."""
-    if device.type != "cuda":
-        return None
-    totals: dict[int, tuple[float, int]] = {}
-    for tokens in (short, long):
-        with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            run(tokens)
-            synchronize(device)
-        events = [event for event in trace.key_averages() if event.device_type.name == "CUDA"]
-        totals[tokens] = (sum(event.self_device_time_total for event in events) / 1000, sum(e.count for e in events))
-    steps = long - short
-    return (totals[long][0] - totals[short][0]) / steps, (totals[long][1] - totals[short][1]) / steps
-
-
 def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int, long: int) -> dict[str, float] | None:
-    """Per decoding step, the marginal way (as `kernels_per_step`): the GPU kernels' summed milliseconds, the
-    milliseconds at least one kernel ran (`busy_ms`: their union, which overlapping kernels keep below the sum),
-    the milliseconds from the first kernel's start to the last one's end (`span_ms`: busy time and the gaps
-    between kernels), and the kernels launched. None off CUDA. The profiled runs are not the timed ones: the
+    """Per decoding step, the marginal way (long run less short run, over long - short): the GPU kernels' summed
+    milliseconds, the milliseconds at least one kernel ran (`busy_ms`: their union, which overlapping kernels keep
+    below the sum), the milliseconds from the first kernel's start to the last one's end (`span_ms`: busy time and
+    the gaps between kernels), and the kernels launched. None off CUDA. The profiled runs are not the timed ones: the
     profiler's own host work can widen the gaps."""
     if device.type != "cuda":
         return None
@@ -97,25 +74,6 @@ def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int,
     per_step = [(totals[long][i] - totals[short][i]) / steps for i in range(4)]
     names = ("kernel_ms_per_step", "busy_ms_per_step", "span_ms_per_step", "kernels_per_step")
     return {name: round(value, 4) for name, value in zip(names, per_step, strict=True)}
-
-
-def marginal_runs(generate: Callable[[int], tuple[float, bool]], short: int, long: int, repeats: int) -> dict[str, Any]:
-    """`repeats` alternating calls of `short` and `long` new tokens (`generate(tokens)` returns seconds and
-    whether the tokens were right): every call's seconds, the marginal ms per step (best long - best short,
-    over long - short), and whether every call was right."""
-    times: dict[int, list[float]] = {short: [], long: []}
-    right = []
-    for _ in range(repeats):
-        for tokens in (short, long):
-            seconds, ok = generate(tokens)
-            times[tokens].append(seconds)
-            right.append(ok)
-    return {
-        "call_s": {str(tokens): [round(t, 4) for t in values] for tokens, values in times.items()},
-        "marginal_ms_per_step": round(1000 * (min(times[long]) - min(times[short])) / (long - short), 4),
-        "all_equal": all(right),
-        "calls": len(right),
-    }
 
 
 @contextlib.contextmanager
