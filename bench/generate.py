@@ -50,7 +50,7 @@ from transformers import CompileConfig, PreTrainedModel
 import cachelife
 from bench.padded import build_model, padded_prompts, spread_lengths
 from bench.results_file import bench_parser, results_file
-from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, timed
+from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, marginal_ms, timed
 from bench.verdict import judge
 from cachelife.generation.steps import CudaGraphs
 from cachelife.tools import zoo
@@ -111,17 +111,6 @@ def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
     if beams:
         settings["num_beams"] = beams
     return settings
-
-
-def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: int) -> tuple[float, bool]:
-    """Milliseconds per step (best of `repeats` calls at each length), and whether every call of a length gave
-    the same tokens."""
-    calls = {
-        tokens: [timed(device, functools.partial(run, tokens)) for _ in range(repeats)] for tokens in (short, long)
-    }
-    best = {tokens: min(seconds for seconds, _ in done) for tokens, done in calls.items()}
-    same = all(torch.equal(out, done[0][1]) for done in calls.values() for _, out in done)
-    return 1000 * (best[long] - best[short]) / (long - short), same
 
 
 def paths(
