@@ -28,15 +28,16 @@ NOT_RECORDED = "not recorded"
 HEADER = """\
 # Benchmark and GPU results
 
-Every number README.md and docs/ quote comes from a file here; dates are UTC. The JSON files start with the
-same header (bench/results_file.py): the benchmark, the date, the device, the torch, transformers and
-cachelife versions, the commit, whether the tree had uncommitted changes, and the command line. Each
-benchmark records its verdicts against transformers (bench/verdict.py: float32 tokens equal, or bf16 logits
-and tokens teacher-forced against a float32 copy of the model); the table's verdict column says whether all
-of a file's verdicts are true. `python -m bench run NAME` reruns a file's benchmark (`python -m bench list`
-names them all; `--out DIR` writes elsewhere), and the GPU suite runs the CUDA ones as stages
-(`python3 bench/gpu_suite.py --stages NAME,...`). Files from before the verdicts and the recorded commits are
-in `archive/` (with their hand-written notes, `archive/NOTES.md`); no document cites them.
+The files the documentation's performance page is generated from (it shows the newest file of each entry of
+bench/registry.py); dates are UTC. The JSON files start with the same header (bench/results_file.py): the
+benchmark, the date, the device, the torch, transformers and cachelife versions, the commit, whether the tree
+had uncommitted changes, and the command line. Each benchmark records its verdicts against transformers
+(bench/verdict.py: float32 tokens equal, or bf16 logits and tokens teacher-forced against a float32 copy of the
+model); the table's verdict column says whether all of a file's verdicts are true. `python -m bench run NAME`
+reruns a file's benchmark (`python -m bench list` names them all; `--out DIR` writes elsewhere), and the GPU
+suite runs the CUDA ones as stages (`python3 bench/gpu_suite.py --stages NAME,...`). Files from before the
+verdicts and the recorded commits are in `archive/` (with their hand-written notes, `archive/NOTES.md`); no
+document cites them.
 """
 
 GENERATED = """\
