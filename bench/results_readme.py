@@ -76,21 +76,23 @@ def result_files(folder: Path = RESULTS) -> list[Path]:
 
 def recorded_entry(record: dict[str, Any]) -> tuple[Benchmark, list[str]] | None:
     """The entry whose `python -m MODULE ARGUMENTS...` starts the command line the file recorded (the longest
-    such entry), and the arguments the run added after the entry's own; None without a recorded command."""
+    such entry), and the arguments the run added after the entry's own; None without a recorded command. The
+    command line was recorded with its arguments joined by spaces, so it is compared as text: an argument that
+    holds a space (`--select "not slow"`) matches too."""
     command = record.get("command")
     if not isinstance(command, str) or "-m" not in command.split():
         return None
     words = command.split()
-    module, arguments = words[words.index("-m") + 1], words[words.index("-m") + 2 :]
+    module, recorded = words[words.index("-m") + 1], " ".join(words[words.index("-m") + 2 :])
     matches = [
         entry
         for entry in BENCHMARKS.values()
-        if entry.module == module and tuple(arguments[: len(entry.arguments)]) == entry.arguments
+        if entry.module == module and f"{recorded} ".startswith(f"{' '.join(entry.arguments)} ".lstrip())
     ]
     if not matches:
         return None
-    best = max(matches, key=lambda entry: len(entry.arguments))
-    return best, without_out(arguments[len(best.arguments) :])
+    best = max(matches, key=lambda entry: len(" ".join(entry.arguments)))
+    return best, without_out(recorded[len(" ".join(best.arguments)) :].split())
 
 
 def without_out(arguments: list[str]) -> list[str]:
@@ -154,9 +156,30 @@ def gpu_suite_stages(record: dict[str, Any]) -> str:
     return "gpu suite: " + "/".join(",".join(str(stage) for stage in track) for track in tracks)
 
 
-def json_row(path: Path, relative: str, record: dict[str, Any]) -> Row:
+def entry_of(path: Path, record: dict[str, Any]) -> tuple[Benchmark | None, list[str]]:
+    """The entry that produced the file (the one whose command it recorded, else the one its name's glob
+    matches) and the arguments the run added after the entry's own."""
     found = recorded_entry(record)
-    entry, extra = found if found is not None else (globbed_entry(path.name), [])
+    return found if found is not None else (globbed_entry(path.name), [])
+
+
+def newest(name: str, folder: Path = RESULTS) -> tuple[Path, dict[str, Any]] | None:
+    """The newest results file (by its recorded date) the entry `name` produced, and its record; None if none."""
+    produced = []
+    for path in result_files(folder):
+        record = json.loads(path.read_text()) if path.suffix == ".json" else None
+        if isinstance(record, dict) and isinstance(record.get("date"), str):
+            entry, _ = entry_of(path, record)
+            if entry is not None and entry.name == name:
+                produced.append((record["date"], path, record))
+    if not produced:
+        return None
+    _, path, record = max(produced, key=lambda found: found[0])
+    return path, record
+
+
+def json_row(path: Path, relative: str, record: dict[str, Any]) -> Row:
+    entry, extra = entry_of(path, record)
     versions = record.get("transformers_versions")
     transformers = ", ".join(versions) if isinstance(versions, list) else str(record.get("transformers", ""))
     benchmark = record.get("benchmark")
