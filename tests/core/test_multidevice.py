@@ -197,7 +197,7 @@ def test_a_model_whose_plan_keeps_keys_whole_keeps_its_heads() -> None:
 def run_tp_check(out: Path, device: str, model: str) -> dict[str, Any]:
     pytest.importorskip("accelerate", reason="transformers' tensor parallelism (tp_plan) needs accelerate")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    script = str(ROOT / "bench" / "tp_check.py")
+    script = str(ROOT / "tests" / "core" / "tp_check.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                script, "--out", str(out), "--device", device, "--model", model]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)

@@ -234,4 +234,4 @@ def test_artifacts_saved_in_one_process_warm_another_with_an_empty_cache(tmp_pat
     assert cache_counts(saving)["misses"] > 0
     assert cache_counts(loading) == {"hits": cache_counts(loading)["hits"], "misses": 0}
     assert cache_counts(loading)["hits"] > 0
-    # How much faster the warm first call is belongs to bench/warm_start.py, not to a test's verdict.
+    # How much faster the warm first call is, is a benchmark's question, not a test's verdict.
