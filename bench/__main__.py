@@ -34,8 +34,8 @@ def list_benchmarks() -> int:
 
 
 def environment() -> dict[str, str]:
-    """This process's environment with src/ and the repository root first on PYTHONPATH, as bench/child.py and
-    the GPU suite set it: the benchmark imports this checkout's cachelife and bench, installed or not."""
+    """This process's environment with src/ and the repository root first on PYTHONPATH, as the GPU suite sets
+    it: the benchmark imports this checkout's cachelife and bench, installed or not."""
     paths = [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
 

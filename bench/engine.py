@@ -50,7 +50,6 @@ import contextlib
 import cProfile
 import math
 import pstats
-import statistics
 import sys
 import threading
 import time
@@ -62,11 +61,11 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 import cachelife
-from bench.decode import auto_compile
+from bench.generate import auto_compile
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
-from bench.timing import as_tokens, cudnn_attention_allowed, synchronize
-from bench.verdict import judge
+from bench.timing import as_tokens, cudnn_attention_allowed, milliseconds, synchronize
+from bench.verdict import judge_requests
 from cachelife.serving.engine import Engine
 from cachelife.serving.joint_prefill import JointPrefill
 from cachelife.serving.prefill import Prefill
@@ -98,16 +97,6 @@ def requests_for(
             inputs = {"input_ids": ids.to(model.device), "attention_mask": torch.ones_like(ids, device=model.device)}
         made.append({**inputs, "max_new_tokens": tokens, "min_new_tokens": tokens, "num_beams": beams})
     return made
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(max(1, math.ceil(share / 100 * len(ordered))), len(ordered)) - 1]
-
-
-def milliseconds(values: list[float]) -> dict[str, float]:
-    return {"p50": round(1000 * percentile(values, 50), 2), "p99": round(1000 * percentile(values, 99), 2),
-            "max": round(1000 * max(values), 2), "mean": round(1000 * statistics.fmean(values), 2)}  # fmt: skip
 
 
 def summary(name: str, wall: float, latencies: list[float], new: int, ttft: list[float] | None) -> dict[str, Any]:
@@ -301,13 +290,8 @@ def judged(model: PreTrainedModel, requests: list[Request], outputs: list[torch.
     `count` greedy requests of a decoder-only model; nothing otherwise (Whisper's processors suppress tokens)."""
     if model.config.is_encoder_decoder or count == 0 or any(r.get("num_beams", 1) > 1 for r in requests):
         return {}
-    verdicts = [judge(model, request, output, int(request["input_ids"].shape[1]))
-                for request, output in zip(requests[:count], outputs[:count], strict=True)]  # fmt: skip
-    return {
-        "verdict_requests": len(verdicts),
-        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in verdicts),
-        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in verdicts),
-    }
+    found = judge_requests(model, list(zip(requests[:count], outputs[:count], strict=True)))
+    return {"verdict_requests": found.pop("requests"), **found}
 
 
 def generate_batch_run(model: PreTrainedModel, requests: list[Request], longest: int, device: torch.device) -> Request:

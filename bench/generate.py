@@ -45,15 +45,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import CompileConfig, PreTrainedModel
 
 import cachelife
-from bench.decode import auto_compile
 from bench.padded import build_model, padded_prompts, spread_lengths
 from bench.results_file import bench_parser, results_file
-from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, timed
+from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, marginal_ms, timed
 from bench.verdict import judge
 from cachelife.generation.loop_settings import CudaGraphs
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
@@ -97,6 +97,14 @@ def built_afresh(name: str, tiny: bool, device: torch.device, dtype: torch.dtype
     return built
 
 
+def auto_compile(device: torch.device) -> dict[str, Any]:
+    """`generate` keywords for transformers' auto-compile: a static cache and a `compile_config` (CUDA graphs on
+    a GPU), on any device."""
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True  # transformers auto-compiles on GPUs only unless told
+    return {"cache_implementation": "static", "compile_config": config}
+
+
 def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
     settings: dict[str, Any] = {"max_new_tokens": tokens, "min_new_tokens": tokens}
     if name in ("whisper-large-v3", "whisper-large-v3-turbo"):  # their generation configs take a language and task
@@ -104,17 +112,6 @@ def settings_for(name: str, beams: int, tokens: int) -> dict[str, Any]:
     if beams:
         settings["num_beams"] = beams
     return settings
-
-
-def marginal_ms(device: torch.device, run: Run, short: int, long: int, repeats: int) -> tuple[float, bool]:
-    """Milliseconds per step (best of `repeats` calls at each length), and whether every call of a length gave
-    the same tokens."""
-    calls = {
-        tokens: [timed(device, functools.partial(run, tokens)) for _ in range(repeats)] for tokens in (short, long)
-    }
-    best = {tokens: min(seconds for seconds, _ in done) for tokens, done in calls.items()}
-    same = all(torch.equal(out, done[0][1]) for done in calls.values() for _, out in done)
-    return 1000 * (best[long] - best[short]) / (long - short), same
 
 
 def paths(
@@ -191,7 +188,7 @@ _MODELS: dict[str, PreTrainedModel] = {}
 def _captures(model_kind: str) -> int:
     """Graphs cachelife captured so far for the model of that kind in this measurement (0 if none)."""
     model = _MODELS.get(model_kind)
-    return 0 if model is None else cachelife.runtime_of(model).captures
+    return 0 if model is None else runtime_of(model).captures
 
 
 def measure(name: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

@@ -6,10 +6,10 @@ Stages: tests (pytest -m gpu on the files of GPU_TESTS, group after group, again
 every wheel in `.whl/` (`transformers-<version>-*.whl`, installed side by side with --no-deps), all versions at
 once; `--tests-k` selects some tests, `--test-groups` some groups; a wheel needing a newer huggingface-hub than
 the image's takes it from `.whl/hub/`, made with `pip download huggingface-hub==<version> --python-version 3.12
---platform manylinux2014_x86_64 --only-binary=:all: -d .whl/hub`), health,
-probe, compile-cache, multidevice and tp (two GPUs: device_map tests on every version, tensor parallelism
-under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its name (`python -m bench
-list`; newest transformers; each writes its JSON to --out/<stage>).
+--platform manylinux2014_x86_64 --only-binary=:all: -d .whl/hub`), health (cachelife's recipe in fresh
+processes: CUDA-graph skips and re-records), multidevice and tp (two GPUs: device_map tests on every version,
+tensor parallelism under torchrun on the newest), and every CUDA benchmark of bench/registry.py under its
+name (`python -m bench list`; newest transformers; each writes its JSON to --out/<stage>).
 
 `/` separates tracks that run at the same time, one after the other within a track; with several GPUs, track i
 runs on GPU min(i, last) (CUDA_VISIBLE_DEVICES; multidevice and tp see every GPU), so the first track (put the
@@ -126,8 +126,8 @@ def environment(extra_path: str, *, every_gpu: bool = False, **more: str) -> dic
 
 
 # The single-GPU test files (tests/core/test_multidevice.py runs in the multidevice stage), in groups that run
-# as separate pytest processes: a process lost in one group (GPU runs 26 and 29 lost a worker, and pytest-xdist
-# then stopped the whole run: a test's warning filter pytest could not parse) leaves the others' outcomes.
+# as separate pytest processes: a process lost in one group (a lost pytest-xdist worker stops the whole run)
+# leaves the others' outcomes.
 GPU_TESTS = (
     ("main", ("tests/test_gpu.py", "tests/generation/test_gpu_workloads.py", "tests/serving")),
     ("kernels", ("tests/kernels", "tests/model_rewrites")),
@@ -294,109 +294,6 @@ def health(found: dict[str, str], work: Path, processes: int, parallel: int, cas
     }
 
 
-def compile_cache_skips(found: dict[str, str], work: Path, model: str = "t5-small") -> dict[str, Any]:
-    """The root cause of the intermittent CUDA-graph skips, and its fix (cachelife.integration.compile_cache).
-
-    Each scenario runs its steps one after the other in fresh processes sharing one TORCHINDUCTOR_CACHE_DIR:
-    first torch alone (bench/static_key_repro.py), then the real recipe, where "without the namespace" runs
-    cachelife with its compile-cache tag switched off, as cachelife was before the fix.
-    """
-    version, path = newest(found)
-    recipe = ["-m", "cachelife", "recipe", "--json", "--model", model, "--calls", "2"]
-    untagged = [
-        "-c",
-        "import runpy, sys, cachelife.integration.compile_cache as c; c.TAG = ''; sys.argv[0] = 'cachelife'; "
-        "runpy.run_module('cachelife', run_name='__main__')",
-        *recipe[2:],
-    ]
-    repro = ["-m", "bench.static_key_repro", "--role"]
-    scenarios: dict[str, list[tuple[str, list[str]]]] = {
-        "torch alone: unmarked, static, static in cachelife's namespace": [
-            ("unmarked", [*repro, "unmarked"]),
-            ("static", [*repro, "static"]),
-            ("static in cachelife's namespace", [*repro, "static-in-cachelife-namespace"]),
-        ],
-        "vanilla, then cachelife without the namespace": [
-            ("vanilla", [*recipe, "--without-cachelife"]),
-            ("cachelife without the namespace", untagged),
-        ],
-        "vanilla, then cachelife": [("vanilla", [*recipe, "--without-cachelife"]), ("cachelife", recipe)],
-        "cachelife twice": [("cachelife", recipe), ("cachelife again", recipe)],
-    }
-    outcomes: dict[str, list[dict[str, Any]]] = {}
-    for index, (scenario, steps) in enumerate(scenarios.items()):
-        cache_dir = work / f"inductor-cache-{index}"
-        for step, arguments in steps:
-            slug = "".join(c if c.isalnum() else "-" for c in step)
-            log = work / f"cache-{index}-{slug}.log"
-            with log.open("w") as sink:
-                done = subprocess.run(
-                    [sys.executable, *arguments],
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    env=environment(path, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCH_LOGS="perf_hints"),
-                    cwd=ROOT,
-                    check=False,
-                    timeout=600,
-                )
-            text = log.read_text(errors="replace")
-            lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-            record = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
-            skips = record.get("cudagraph_skips")
-            if skips is None:
-                skips = [call["health"]["cudagraph_skips"] for call in record.get("calls", [])]
-            outcomes.setdefault(scenario, []).append(
-                {
-                    "step": step,
-                    "returncode": done.returncode,
-                    "ok": record.get("ok"),
-                    "cudagraph_skips": skips,
-                    "aot_autograd_cache": record.get("aot_autograd_cache"),
-                    "skip_reason": next(
-                        (line[:300] for line in text.splitlines() if "skipping cudagraphs" in line), None
-                    ),
-                }
-            )
-    return {"transformers": version, "model": model, "scenarios": outcomes}
-
-
-def probe_hand_pinned(found: dict[str, str], work: Path, processes: int) -> dict[str, Any]:
-    """The baseline measured before cachelife (caches pinned by hand, t5-small-shaped, compiled forward): an
-    external measurement script, not part of this repository (probe2.py t5_gen_marginal, carried in
-    .device/probe when available), in fresh processes with static-input logging, to catch the intermittent
-    'skipping cudagraphs due to mutated inputs'."""
-    script = ROOT / ".device" / "probe" / "probe2.py"
-    if not script.exists():
-        return {"skipped": "no .device/probe/probe2.py carried"}
-    version = "5.23.0" if "5.23.0" in found else next(iter(found))
-    running = []
-    for index in range(processes):
-        log = work / f"probe-{index}.log"
-        env = environment(found[version], TORCH_LOGS="cudagraph_static_inputs,cudagraphs")
-        command = [sys.executable, str(script), "t5_gen_marginal"]
-        running.append((log, subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)))
-    outcomes = []
-    for log, process in running:
-        process.wait()
-        text = log.read_text(errors="replace")
-        result = [line for line in text.splitlines() if line.startswith("RESULT ")]
-        outcomes.append(
-            {
-                "returncode": process.returncode,
-                "result": json.loads(result[-1].removeprefix("RESULT ")) if result else None,
-                "skip_lines": [line[:600] for line in text.splitlines() if "skipping cudagraph" in line][:3],
-                "non_static": sorted(
-                    {
-                        line.split("for source ")[-1][:200]
-                        for line in text.splitlines()
-                        if "Non-static input pos" in line
-                    }
-                ),
-            }
-        )
-    return {"transformers": version, "processes": outcomes}
-
-
 # The benchmark stages: every CUDA entry of the registry, under its name.
 BENCHES = {name: entry for name, entry in BENCHMARKS.items() if entry.device == "cuda"}
 
@@ -454,11 +351,11 @@ def multidevice(found: dict[str, str], work: Path) -> dict[str, Any]:
 
 
 def tensor_parallel(found: dict[str, str], work: Path, out: Path) -> dict[str, Any]:
-    """bench/tp_check.py under torchrun on two GPUs, newest transformers; writes tp-check.json to `out`."""
+    """tests/core/tp_check.py under torchrun on two GPUs, newest transformers; writes tp-check.json to `out`."""
     version, path = newest(found)
     log = work / "tp-check.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "bench" / "tp_check.py"), "--out", str(out), "--device", "cuda"]  # fmt: skip
+               str(ROOT / "tests" / "core" / "tp_check.py"), "--out", str(out), "--device", "cuda"]  # fmt: skip
     with log.open("w") as sink:
         env = environment(path, every_gpu=True)
         try:
@@ -484,8 +381,6 @@ def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: ar
             deadline=args.deadline,
         ),
         "health": lambda: health(found, work, 5, args.health_parallel, args.health_cases.split(",")),
-        "probe": lambda: probe_hand_pinned(found, work, processes=5),
-        "compile-cache": lambda: compile_cache_skips(found, work),
         "multidevice": lambda: multidevice(found, work),
         "tp": lambda: tensor_parallel(found, work, out),
         **{name: functools.partial(run_bench, name, found, work, out, args.deadline) for name in BENCHES},
@@ -498,7 +393,7 @@ def run_stage(stage: str, found: dict[str, str], work: Path, out: Path, args: ar
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--stages", default="tests,health,probe")
+    parser.add_argument("--stages", default="tests,health")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu")))
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers per transformers version")
     parser.add_argument("--tests-k", default="", help="the tests stage runs only the tests this -k expression picks")

@@ -28,15 +28,16 @@ NOT_RECORDED = "not recorded"
 HEADER = """\
 # Benchmark and GPU results
 
-Every number README.md and docs/ quote comes from a file here; dates are UTC. The JSON files start with the
-same header (bench/results_file.py): the benchmark, the date, the device, the torch, transformers and
-cachelife versions, the commit, whether the tree had uncommitted changes, and the command line. Each
-benchmark records its verdicts against transformers (bench/verdict.py: float32 tokens equal, or bf16 logits
-and tokens teacher-forced against a float32 copy of the model); the table's verdict column says whether all
-of a file's verdicts are true. `python -m bench run NAME` reruns a file's benchmark (`python -m bench list`
-names them all; `--out DIR` writes elsewhere), and the GPU suite runs the CUDA ones as stages
-(`python3 bench/gpu_suite.py --stages NAME,...`). Files from before the verdicts and the recorded commits are
-in `archive/` (with their hand-written notes, `archive/NOTES.md`); no document cites them.
+The files the documentation's performance page is generated from (it shows the newest file of each entry of
+bench/registry.py); dates are UTC. The JSON files start with the same header (bench/results_file.py): the
+benchmark, the date, the device, the torch, transformers and cachelife versions, the commit, whether the tree
+had uncommitted changes, and the command line. Each benchmark records its verdicts against transformers
+(bench/verdict.py: float32 tokens equal, or bf16 logits and tokens teacher-forced against a float32 copy of the
+model); the table's verdict column says whether all of a file's verdicts are true. `python -m bench run NAME`
+reruns a file's benchmark (`python -m bench list` names them all; `--out DIR` writes elsewhere), and the GPU
+suite runs the CUDA ones as stages (`python3 bench/gpu_suite.py --stages NAME,...`). Files from before the
+verdicts and the recorded commits are in `archive/` (with their hand-written notes, `archive/NOTES.md`); no
+document cites them.
 """
 
 GENERATED = """\
@@ -75,21 +76,23 @@ def result_files(folder: Path = RESULTS) -> list[Path]:
 
 def recorded_entry(record: dict[str, Any]) -> tuple[Benchmark, list[str]] | None:
     """The entry whose `python -m MODULE ARGUMENTS...` starts the command line the file recorded (the longest
-    such entry), and the arguments the run added after the entry's own; None without a recorded command."""
+    such entry), and the arguments the run added after the entry's own; None without a recorded command. The
+    command line was recorded with its arguments joined by spaces, so it is compared as text: an argument that
+    holds a space (`--select "not slow"`) matches too."""
     command = record.get("command")
     if not isinstance(command, str) or "-m" not in command.split():
         return None
     words = command.split()
-    module, arguments = words[words.index("-m") + 1], words[words.index("-m") + 2 :]
+    module, recorded = words[words.index("-m") + 1], " ".join(words[words.index("-m") + 2 :])
     matches = [
         entry
         for entry in BENCHMARKS.values()
-        if entry.module == module and tuple(arguments[: len(entry.arguments)]) == entry.arguments
+        if entry.module == module and f"{recorded} ".startswith(f"{' '.join(entry.arguments)} ".lstrip())
     ]
     if not matches:
         return None
-    best = max(matches, key=lambda entry: len(entry.arguments))
-    return best, without_out(arguments[len(best.arguments) :])
+    best = max(matches, key=lambda entry: len(" ".join(entry.arguments)))
+    return best, without_out(recorded[len(" ".join(best.arguments)) :].split())
 
 
 def without_out(arguments: list[str]) -> list[str]:
@@ -153,9 +156,30 @@ def gpu_suite_stages(record: dict[str, Any]) -> str:
     return "gpu suite: " + "/".join(",".join(str(stage) for stage in track) for track in tracks)
 
 
-def json_row(path: Path, relative: str, record: dict[str, Any]) -> Row:
+def entry_of(path: Path, record: dict[str, Any]) -> tuple[Benchmark | None, list[str]]:
+    """The entry that produced the file (the one whose command it recorded, else the one its name's glob
+    matches) and the arguments the run added after the entry's own."""
     found = recorded_entry(record)
-    entry, extra = found if found is not None else (globbed_entry(path.name), [])
+    return found if found is not None else (globbed_entry(path.name), [])
+
+
+def newest(name: str, folder: Path = RESULTS) -> tuple[Path, dict[str, Any]] | None:
+    """The newest results file (by its recorded date) the entry `name` produced, and its record; None if none."""
+    produced = []
+    for path in result_files(folder):
+        record = json.loads(path.read_text()) if path.suffix == ".json" else None
+        if isinstance(record, dict) and isinstance(record.get("date"), str):
+            entry, _ = entry_of(path, record)
+            if entry is not None and entry.name == name:
+                produced.append((record["date"], path, record))
+    if not produced:
+        return None
+    _, path, record = max(produced, key=lambda found: found[0])
+    return path, record
+
+
+def json_row(path: Path, relative: str, record: dict[str, Any]) -> Row:
+    entry, extra = entry_of(path, record)
     versions = record.get("transformers_versions")
     transformers = ", ".join(versions) if isinstance(versions, list) else str(record.get("transformers", ""))
     benchmark = record.get("benchmark")

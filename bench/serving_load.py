@@ -50,10 +50,10 @@ from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 import bench
-from bench.engine import milliseconds
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
-from bench.verdict import judge
+from bench.timing import milliseconds
+from bench.verdict import judge_requests
 from cachelife.errors import InvalidArgumentError, QueueFullError, UnsupportedGenerationError
 from cachelife.serving.engine import Engine
 from cachelife.tools.recipe import pick_device
@@ -397,13 +397,8 @@ def verdict(model_name: str, device: torch.device, dtype: torch.dtype, options: 
         futures = [engine.submit(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=request.new_tokens) for ids, request in pairs]  # fmt: skip
         outputs = [future.result() for future in futures]
-    judged = [judge(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tokens, int(ids.shape[1]))
-              for ids, tokens in zip(prompts, outputs, strict=True)]  # fmt: skip
-    return {
-        "requests": len(judged),
-        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in judged),
-        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in judged),
-    }
+    return judge_requests(model, [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tokens)
+                                  for ids, tokens in zip(prompts, outputs, strict=True)])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""What every benchmark times with: wall-clock seconds of one call, the device drained before and after."""
+"""What every benchmark times with: wall-clock seconds of one call (the device drained before and after), the
+marginal cost of a decoding step, its kernels' timeline, and latency spreads."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,31 +48,22 @@ def timed(device: torch.device, call: Callable[[], torch.Tensor]) -> tuple[float
         gc.enable()
 
 
-def greedy(tokens: int) -> dict[str, Any]:
-    """`generate` settings for exactly `tokens` new tokens, greedy."""
-    return {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
-
-
-def kernels_per_step(
-    device: torch.device, run: Callable[[int], Any], short: int, long: int
-) -> tuple[float, float] | None:
-    """GPU kernel milliseconds and kernel launches per decoding step, measured the marginal way: (a run of
-    `long` new tokens - a run of `short`) / (long - short), each under torch.profiler. None off CUDA."""
-    if device.type != "cuda":
-        return None
-    totals: dict[int, tuple[float, int]] = {}
-    for tokens in (short, long):
-        with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            run(tokens)
-            synchronize(device)
-        events = [event for event in trace.key_averages() if event.device_type.name == "CUDA"]
-        totals[tokens] = (sum(event.self_device_time_total for event in events) / 1000, sum(e.count for e in events))
-    steps = long - short
-    return (totals[long][0] - totals[short][0]) / steps, (totals[long][1] - totals[short][1]) / steps
+def marginal_ms(
+    device: torch.device, run: Callable[[int], torch.Tensor], short: int, long: int, repeats: int
+) -> tuple[float, bool]:
+    """Milliseconds per decoding step, the marginal way: (best of `repeats` calls of `run(long)` - best of
+    `repeats` calls of `run(short)`) / (long - short), so that prefill drops out; and whether every call of a
+    length gave the same tokens."""
+    calls = {
+        tokens: [timed(device, functools.partial(run, tokens)) for _ in range(repeats)] for tokens in (short, long)
+    }
+    best = {tokens: min(seconds for seconds, _ in done) for tokens, done in calls.items()}
+    same = all(torch.equal(out, done[0][1]) for done in calls.values() for _, out in done)
+    return 1000 * (best[long] - best[short]) / (long - short), same
 
 
 def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int, long: int) -> dict[str, float] | None:
-    """Per decoding step, the marginal way (as `kernels_per_step`): the GPU kernels' summed milliseconds, the
+    """Per decoding step, the marginal way (as `marginal_ms`): the GPU kernels' summed milliseconds, the
     milliseconds at least one kernel ran (`busy_ms`: their union, which overlapping kernels keep below the sum),
     the milliseconds from the first kernel's start to the last one's end (`span_ms`: busy time and the gaps
     between kernels), and the kernels launched. None off CUDA. The profiled runs are not the timed ones: the
@@ -99,23 +93,16 @@ def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int,
     return {name: round(value, 4) for name, value in zip(names, per_step, strict=True)}
 
 
-def marginal_runs(generate: Callable[[int], tuple[float, bool]], short: int, long: int, repeats: int) -> dict[str, Any]:
-    """`repeats` alternating calls of `short` and `long` new tokens (`generate(tokens)` returns seconds and
-    whether the tokens were right): every call's seconds, the marginal ms per step (best long - best short,
-    over long - short), and whether every call was right."""
-    times: dict[int, list[float]] = {short: [], long: []}
-    right = []
-    for _ in range(repeats):
-        for tokens in (short, long):
-            seconds, ok = generate(tokens)
-            times[tokens].append(seconds)
-            right.append(ok)
-    return {
-        "call_s": {str(tokens): [round(t, 4) for t in values] for tokens, values in times.items()},
-        "marginal_ms_per_step": round(1000 * (min(times[long]) - min(times[short])) / (long - short), 4),
-        "all_equal": all(right),
-        "calls": len(right),
-    }
+def percentile(values: list[float], share: float) -> float:
+    """The nearest-rank percentile `share` (0-100) of `values`."""
+    ordered = sorted(values)
+    return ordered[min(max(1, math.ceil(share / 100 * len(ordered))), len(ordered)) - 1]
+
+
+def milliseconds(values: list[float]) -> dict[str, float]:
+    """p50, p99, max and mean of `values` (seconds), in milliseconds."""
+    return {"p50": round(1000 * percentile(values, 50), 2), "p99": round(1000 * percentile(values, 99), 2),
+            "max": round(1000 * max(values), 2), "mean": round(1000 * statistics.fmean(values), 2)}  # fmt: skip
 
 
 @contextlib.contextmanager

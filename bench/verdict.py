@@ -16,6 +16,7 @@ float32 copy of the model: the reference) and in the run's dtype (transformers' 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,3 +75,15 @@ def judge(
         verdict["largest_gap_over_margin"] = round(float((gap - margin).max()), 4)
         verdict["tokens_agree_with_transformers"] = bool((gap <= margin).all())
     return verdict
+
+
+def judge_requests(model: PreTrainedModel, decoded: Sequence[tuple[dict[str, Any], torch.Tensor]]) -> dict[str, Any]:
+    """The token verdict over several greedy requests of a decoder-only model, each (its inputs with
+    `input_ids`, the sequence decoded from them): how many were judged, whether every one agrees, and the
+    largest gap over the margin among them."""
+    verdicts = [judge(model, inputs, tokens, int(inputs["input_ids"].shape[1])) for inputs, tokens in decoded]
+    return {
+        "requests": len(verdicts),
+        "tokens_agree_with_transformers": all(v["tokens_agree_with_transformers"] for v in verdicts),
+        "largest_gap_over_margin": max(v["largest_gap_over_margin"] for v in verdicts),
+    }

@@ -30,6 +30,7 @@ from cachelife.errors import CompiledRegionError
 from cachelife.generation.loop_settings import CudaGraphs
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.guard import DecodingGuard
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth
 
@@ -234,7 +235,7 @@ def test_cachelife_generate_is_graph_captured_and_equals_generate(name: str, cud
         zoo.generate_tokens(model, inputs, **shorter),
     )
     start = CudaGraphHealth.now()
-    record = cachelife.runtime_of(model)
+    record = runtime_of(model)
     for steps in (1, 2):
         calls = []
         for index in range(3):
@@ -267,7 +268,7 @@ def test_cachelife_generate_with_fast_kernels_is_graph_captured_and_equals_gener
     inputs = built.inputs(2, 9, 1)
     settings = GENERATE_CASES["whisper"]
     expected = zoo.generate_tokens(model, inputs, **settings)
-    start, record = CudaGraphHealth.now(), cachelife.runtime_of(model)
+    start, record = CudaGraphHealth.now(), runtime_of(model)
     calls = [
         cachelife.generate(model, fallback=False, compile_options=cachelife.FAST_KERNELS, **inputs, **settings)
         for _ in range(3)

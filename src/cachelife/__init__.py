@@ -1,17 +1,25 @@
 """cachelife: an explicit, typed lifecycle for transformers static KV caches under torch.compile and CUDA graphs.
 
-Every layer cache moves through `Unallocated -> Pinned -> Filled` (see `cachelife.core.layer_lifecycle`). `enable`
-guards a model so that `generate` decodes only with pinned caches; `prepare_static_cache` builds pinned
-caches for your own loops; `lifecycle(cache)` shows and drives the states of any static cache; `decode` is
-cachelife's own compiled decode loop for bare configs, and `generate` takes `model.generate`'s arguments
-and decodes them in one compiled, graph-captured step.
+Every layer cache moves through `Unallocated -> Pinned -> Filled` (`cachelife.core.layer_lifecycle`). `enable`
+guards a model so that its `generate` decodes only with pinned caches; `generate` takes `model.generate`'s
+arguments and decodes them in one compiled, graph-captured step; `Engine` batches many requests on one model;
+`prepare_static_cache` and `lifecycle(cache)` build and drive pinned caches for a loop of your own.
 
-`cachelife.decode` is that function, not its module: the module stays importable by name
-(`from cachelife.generation.decode import decode`, `importlib.import_module("cachelife.generation.decode")`).
+The top level holds what a user writes: these tasks, the types their functions return or take (`Released`,
+`CachePool`, `CacheLifecycle`, `LayerLifecycle`, the states, `FillRecord`, `EngineStats`,
+`CompileArtifactsHeader`), what a model author declares (`CacheLifecycleMixin`, `DeclaresCacheShapes`,
+`CacheShapes`, `LayerShape`), warm starts, the logging switches and the base error `CacheLifecycleError`; every
+error class is in `cachelife.errors`. Values read through an attribute (`Buffers`, `PinSpec`) and the machinery
+behind `enable` (`runtime_of`, `pin_for_model`, `release_pool`, ...) stay in their modules. `decode` left as
+well: it is `generate(model, **inputs, fallback=False)` narrowed to greedy search and plain sampling, refusing a
+generation config with logits processors; a preset, not a task of its own. A name that left the top level in
+0.2 still resolves until 0.3, with a `DeprecationWarning` naming its new home (docs/changes.md lists them).
 """
 
-from cachelife.core.buffers import Buffers, PinSpec
-from cachelife.core.cache_lifecycle import CacheLifecycle, is_managed_cache, lifecycle
+import importlib as _importlib
+import warnings as _warnings
+
+from cachelife.core.cache_lifecycle import CacheLifecycle, lifecycle
 from cachelife.core.layer_lifecycle import (
     TRANSITIONS,
     Filled,
@@ -22,60 +30,24 @@ from cachelife.core.layer_lifecycle import (
     Pinned,
     Unallocated,
 )
-from cachelife.core.pinning import pin_for_model, prepare_static_cache
+from cachelife.core.pinning import prepare_static_cache
 from cachelife.core.pool import CachePool
-from cachelife.core.shapes import (
-    CacheShapes,
-    DeclaresCacheShapes,
-    LayerShape,
-    infer_cache_shapes,
-    model_cache_shapes,
-)
-from cachelife.errors import (
-    CacheLifecycleError,
-    CacheShapeError,
-    CompileArtifactsFormatError,
-    CompileArtifactsMismatchError,
-    CompiledRegionError,
-    EnabledModelPickleError,
-    EngineClosedError,
-    IllegalSlotTransitionError,
-    IllegalTransitionError,
-    InvalidArgumentError,
-    InvalidBucketsError,
-    NoCompileArtifactsError,
-    QueueFullError,
-    ReplacedBuffersError,
-    RequestTimeoutError,
-    UnmarkedBuffersError,
-    UnpinnedCacheError,
-    UnsupportedCacheError,
-    UnsupportedGenerationError,
-)
+from cachelife.core.shapes import CacheShapes, DeclaresCacheShapes, LayerShape, model_cache_shapes
+from cachelife.errors import CacheLifecycleError
 from cachelife.generation.api import generate
-
-# The function: binding it replaces the attribute `decode` that importing the submodule set (see above).
-from cachelife.generation.decode import decode
 from cachelife.integration.compile_cache import pinned_compile_cache
 from cachelife.integration.compiled import FAST_KERNELS, compile_forward, restore_forward
-from cachelife.integration.enabling import (
-    CacheLifecycleMixin,
-    disable,
-    enable,
-    is_enabled,
-    pool_of,
-    release,
-    release_pool,
-)
+from cachelife.integration.enabling import CacheLifecycleMixin, disable, enable, is_enabled, pool_of, release
 from cachelife.integration.options import EXACT, FAST, Options
-from cachelife.integration.runtime import ModelRuntime, Released, runtime_of
+from cachelife.integration.runtime import Released
 from cachelife.integration.warm_start import (
     CompileArtifactsHeader,
     load_compile_artifacts,
     read_compile_artifacts_header,
     save_compile_artifacts,
 )
-from cachelife.log import configure_from_environment, disable_debug_logging, enable_debug_logging
+from cachelife.log import configure_from_environment as _configure_from_environment
+from cachelife.log import disable_debug_logging, enable_debug_logging
 from cachelife.serving.engine import Engine
 from cachelife.serving.stats import EngineStats
 from cachelife.version import __version__
@@ -85,71 +57,102 @@ __all__ = [
     "FAST",
     "FAST_KERNELS",
     "TRANSITIONS",
-    "Buffers",
     "CacheLifecycle",
     "CacheLifecycleError",
     "CacheLifecycleMixin",
     "CachePool",
-    "CacheShapeError",
     "CacheShapes",
-    "CompileArtifactsFormatError",
     "CompileArtifactsHeader",
-    "CompileArtifactsMismatchError",
-    "CompiledRegionError",
     "DeclaresCacheShapes",
-    "EnabledModelPickleError",
     "Engine",
-    "EngineClosedError",
     "EngineStats",
     "FillRecord",
     "Filled",
-    "IllegalSlotTransitionError",
-    "IllegalTransitionError",
-    "InvalidArgumentError",
-    "InvalidBucketsError",
     "LayerLifecycle",
     "LayerShape",
     "LayerState",
-    "ModelRuntime",
-    "NoCompileArtifactsError",
     "NoStorage",
     "Options",
-    "PinSpec",
     "Pinned",
-    "QueueFullError",
     "Released",
-    "ReplacedBuffersError",
-    "RequestTimeoutError",
     "Unallocated",
-    "UnmarkedBuffersError",
-    "UnpinnedCacheError",
-    "UnsupportedCacheError",
-    "UnsupportedGenerationError",
     "__version__",
     "compile_forward",
-    "configure_from_environment",
-    "decode",
     "disable",
     "disable_debug_logging",
     "enable",
     "enable_debug_logging",
     "generate",
-    "infer_cache_shapes",
     "is_enabled",
-    "is_managed_cache",
     "lifecycle",
     "load_compile_artifacts",
     "model_cache_shapes",
-    "pin_for_model",
     "pinned_compile_cache",
     "pool_of",
     "prepare_static_cache",
     "read_compile_artifacts_header",
     "release",
-    "release_pool",
     "restore_forward",
-    "runtime_of",
     "save_compile_artifacts",
 ]
 
-configure_from_environment()
+_REMOVED_IN = "0.3"
+_ERRORS = "cachelife.errors"
+# The names that left the top level in 0.2 -> the module that defines them (docs/changes.md lists them).
+_DEPRECATED: dict[str, str] = {
+    "CacheShapeError": _ERRORS,
+    "CompileArtifactsFormatError": _ERRORS,
+    "CompileArtifactsMismatchError": _ERRORS,
+    "CompiledRegionError": _ERRORS,
+    "EnabledModelPickleError": _ERRORS,
+    "EngineClosedError": _ERRORS,
+    "IllegalSlotTransitionError": _ERRORS,
+    "IllegalTransitionError": _ERRORS,
+    "InvalidArgumentError": _ERRORS,
+    "InvalidBucketsError": _ERRORS,
+    "NoCompileArtifactsError": _ERRORS,
+    "QueueFullError": _ERRORS,
+    "ReplacedBuffersError": _ERRORS,
+    "RequestTimeoutError": _ERRORS,
+    "UnmarkedBuffersError": _ERRORS,
+    "UnpinnedCacheError": _ERRORS,
+    "UnsupportedCacheError": _ERRORS,
+    "UnsupportedGenerationError": _ERRORS,
+    "Buffers": "cachelife.core.buffers",
+    "PinSpec": "cachelife.core.buffers",
+    "is_managed_cache": "cachelife.core.cache_lifecycle",
+    "pin_for_model": "cachelife.core.pinning",
+    "infer_cache_shapes": "cachelife.core.shapes",
+    "decode": "cachelife.generation.decode",
+    "release_pool": "cachelife.integration.enabling",
+    "ModelRuntime": "cachelife.integration.runtime",
+    "runtime_of": "cachelife.integration.runtime",
+    "configure_from_environment": "cachelife.log",
+}
+# The public way to do what an old name did, where there is one.
+_INSTEAD: dict[str, str] = {
+    "decode": "cachelife.generate(model, **inputs, fallback=False)",
+    "pin_for_model": "cachelife.prepare_static_cache(model, ...)",
+    "infer_cache_shapes": "cachelife.model_cache_shapes(model)",
+    "release_pool": "cachelife.pool_of(model).clear()",
+}
+
+
+def __getattr__(name: str) -> object:
+    """A name that left the top level in 0.2, with a `DeprecationWarning` naming where it lives now."""
+    home = _DEPRECATED.get(name)
+    if home is None:
+        msg = f"module 'cachelife' has no attribute {name!r}"
+        raise AttributeError(msg, name=name)
+    instead = f", or use {_INSTEAD[name]}" if name in _INSTEAD else ""
+    message = f"cachelife.{name} is deprecated and will be removed in {_REMOVED_IN}; import it from {home}{instead}"
+    _warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return getattr(_importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    """The public names, and `errors`, where every error lives."""
+    return sorted([*__all__, "errors"])
+
+
+_configure_from_environment()

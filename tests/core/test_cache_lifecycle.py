@@ -15,6 +15,7 @@ from cachelife.core.cache_lifecycle import CacheLifecycle, static_parts
 from cachelife.core.layer_lifecycle import Filled, FillRecord, Pinned, Unallocated
 from cachelife.core.shapes import CacheShapes, LayerShape
 from cachelife.errors import CacheShapeError, UnpinnedCacheError, UnsupportedCacheError
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 
 CONFIG = zoo.t5_tiny()  # 2 decoder layers
@@ -230,7 +231,7 @@ def test_reprs_are_short_and_say_the_states() -> None:
     pool = cachelife.pool_of(model)
     assert pool is not None
     assert repr(pool).startswith("CachePool(0 idle set(s), 0 of 4294967296 bytes")
-    assert len(repr(cachelife.runtime_of(model))) < 200
+    assert len(repr(runtime_of(model))) < 200
 
 
 def test_each_cache_counts_its_own_layers_transitions() -> None:

@@ -34,6 +34,7 @@ from cachelife.errors import (
     CompiledRegionError,
     IllegalTransitionError,
     ReplacedBuffersError,
+    UnmarkedBuffersError,
     UnpinnedCacheError,
     UnsupportedCacheError,
 )
@@ -272,7 +273,7 @@ def test_adoption_reads_existing_buffers() -> None:
 def test_adoption_refuses_buffers_born_unmarked() -> None:
     layer = StaticLayer(max_cache_len=MAX_LEN)
     layer.keys, layer.values, layer.is_initialized = torch.zeros(2, 3, MAX_LEN, 5), torch.zeros(2, 3, MAX_LEN, 7), True
-    with pytest.raises(cachelife.UnmarkedBuffersError, match="never marked static"):
+    with pytest.raises(UnmarkedBuffersError, match="never marked static"):
         LayerLifecycle.adopt(layer, index=1, role="cross")
 
 

@@ -24,6 +24,7 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife.core import placement
 from cachelife.core.layer_lifecycle import Filled, Pinned
+from cachelife.core.pinning import pin_for_model
 from cachelife.core.shapes import CacheShapes, LayerShape, per_rank_shapes
 from cachelife.errors import CacheShapeError, UnsupportedCacheError
 from cachelife.integration.call_arguments import cache_argument_name
@@ -103,7 +104,7 @@ def test_a_decoder_layer_on_the_meta_device_is_refused_and_nothing_is_pinned() -
         placement.decoder_layer_devices(model, 2)
     cache = StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(UnsupportedCacheError, match="offloaded"):
-        cachelife.pin_for_model(cache, model, batch_size=2)
+        pin_for_model(cache, model, batch_size=2)
     assert cache_devices(cache) == ["unpinned", "unpinned"]
 
 
@@ -144,7 +145,7 @@ def test_the_boundary_checks_each_layer_against_its_own_device(monkeypatch: pyte
     step = {"input_ids": built.inputs(2, 5, 1)["input_ids"]}
     fake_layer_devices(monkeypatch, ["cpu", "meta"])
     per_layer = StaticCache(config=model.config, max_cache_len=16)
-    cachelife.pin_for_model(per_layer, model, batch_size=2)
+    pin_for_model(per_layer, model, batch_size=2)
     check_call_fits(cachelife.lifecycle(per_layer), model, {**step, cache_argument_name(model): per_layer})
     one_device = StaticCache(config=model.config, max_cache_len=16)
     cachelife.lifecycle(one_device).pin(
@@ -196,7 +197,7 @@ def test_a_model_whose_plan_keeps_keys_whole_keeps_its_heads() -> None:
 def run_tp_check(out: Path, device: str, model: str) -> dict[str, Any]:
     pytest.importorskip("accelerate", reason="transformers' tensor parallelism (tp_plan) needs accelerate")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    script = str(ROOT / "bench" / "tp_check.py")
+    script = str(ROOT / "tests" / "core" / "tp_check.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                script, "--out", str(out), "--device", device, "--model", model]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)

@@ -17,6 +17,7 @@ import cachelife
 from cachelife.core import buffers
 from cachelife.core.buffers import PinSpec
 from cachelife.core.layer_lifecycle import TRANSITIONS, Event, FillRecord, LayerLifecycle, NoStorage
+from cachelife.core.pinning import pin_for_model
 from cachelife.core.shapes import decoder_only_shapes, storage_less_layers
 from cachelife.errors import CacheShapeError, IllegalTransitionError, UnpinnedCacheError, UnsupportedCacheError
 from cachelife.tools.recipe import lifecycle_table
@@ -104,7 +105,7 @@ def test_walk_through_a_cache_with_layers_without_storage() -> None:
     assert [layer.index for layer in state.unpinned()] == list(STORAGE)
     assert not state.is_pinned
 
-    cachelife.pin_for_model(cache, model, batch_size=1)
+    pin_for_model(cache, model, batch_size=1)
     assert states(cache) == ["Pinned", "NoStorage", "Pinned", "NoStorage"]
     assert state.is_pinned
     assert not state.is_filled

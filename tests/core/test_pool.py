@@ -18,6 +18,7 @@ from cachelife.core.layer_lifecycle import Pinned
 from cachelife.core.pool import CachePool, pool_key
 from cachelife.errors import InvalidArgumentError
 from cachelife.integration.call_arguments import find_cache
+from cachelife.integration.enabling import release_pool
 from cachelife.tools import zoo
 
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": 5, "min_new_tokens": 5}
@@ -102,7 +103,7 @@ def test_budget_keeps_at_most_that_many_idle_bytes_least_recently_used_first() -
     cachelife.enable(model, pool_bytes=sizes - 1)  # only the budget for one set: the older is evicted next
     zoo.generate_tokens(model, built.inputs(1, 9, 1), **SETTINGS, cache_implementation="static")
     assert pool.idle_sets == 1
-    cachelife.release_pool(model)
+    release_pool(model)
     assert (pool.idle_sets, pool.idle_bytes) == (0, 0)
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import cachelife
+from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 
 
@@ -44,10 +46,10 @@ def test_each_own_argument_is_checked_before_any_work(argument: str, value: obje
     model = cachelife.enable(built.model)
     forwards = Forwards(model)
     bad: dict[str, Any] = {argument: value}
-    with pytest.raises(cachelife.InvalidArgumentError, match="^" + re.escape(expected)):
+    with pytest.raises(InvalidArgumentError, match="^" + re.escape(expected)):
         cachelife.generate(model, **built.inputs(2, 9, 1), max_new_tokens=4, **bad)
     assert forwards.calls == 0
-    runtime = cachelife.runtime_of(model)
+    runtime = runtime_of(model)
     assert (len(runtime.states), len(runtime.compiled)) == (0, 0)
 
 
@@ -60,15 +62,15 @@ def test_argument_errors_are_also_the_builtins_a_caller_catches() -> None:
 
 
 def test_a_model_that_is_not_a_transformers_model_is_refused_by_name() -> None:
-    with pytest.raises(cachelife.InvalidArgumentError, match="needs a transformers generation model"):
+    with pytest.raises(InvalidArgumentError, match="needs a transformers generation model"):
         cachelife.generate(object(), max_new_tokens=4)  # type: ignore[arg-type]  # the misuse under test
 
 
 def test_prepare_static_cache_refuses_a_pool_that_is_no_pool() -> None:
     model = zoo.build("llama").model
-    with pytest.raises(cachelife.InvalidArgumentError, match=r"pool must be a CachePool .* got str 'x'"):
+    with pytest.raises(InvalidArgumentError, match=r"pool must be a CachePool .* got str 'x'"):
         cachelife.prepare_static_cache(model, batch_size=2, max_cache_len=8, pool="x")  # type: ignore[arg-type]  # the misuse
-    with pytest.raises(cachelife.InvalidArgumentError, match="model must be a transformers PreTrainedModel, got a int"):
+    with pytest.raises(InvalidArgumentError, match="model must be a transformers PreTrainedModel, got a int"):
         cachelife.prepare_static_cache(3, batch_size=2, max_cache_len=8)  # type: ignore[arg-type]  # the misuse
 
 
@@ -87,7 +89,7 @@ def _padded_llama(side: str) -> tuple[Any, dict[str, Any]]:
 
 def test_right_padded_prompts_without_a_mask_are_refused_as_transformers_infers_their_mask() -> None:
     model, inputs = _padded_llama("right")
-    with pytest.raises(cachelife.UnsupportedGenerationError, match="right-padded prompts"):
+    with pytest.raises(UnsupportedGenerationError, match="right-padded prompts"):
         cachelife.generate(model, fallback=False, compile_step=False, **inputs, max_new_tokens=30)
 
 

@@ -20,6 +20,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 import cachelife
 from cachelife.errors import UnsupportedGenerationError
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 
 ENCODER_DECODER = ["t5", "bart", "marian", "whisper"]
@@ -356,18 +357,18 @@ def test_state_buffers_are_kept_for_the_most_recent_shapes_only() -> None:
         return got
 
     call(1)
-    first_keys = set(cachelife.runtime_of(model).states.keys())
+    first_keys = set(runtime_of(model).states.keys())
     assert len(first_keys) == 4  # greedy state, noise, encoder output, encoder mask
     for batch in range(2, 11):  # 9 more shapes, 4 keys each: more than the runtime keeps
         call(batch)
-        assert len(cachelife.runtime_of(model).states.keys()) <= cachelife.runtime_of(model).states.limit
-    kept = cachelife.runtime_of(model).states.keys()
-    assert len(kept) == cachelife.runtime_of(model).states.limit
+        assert len(runtime_of(model).states.keys()) <= runtime_of(model).states.limit
+    kept = runtime_of(model).states.keys()
+    assert len(kept) == runtime_of(model).states.limit
     assert not first_keys & set(kept)  # the least recently used went first
     call(10)  # the newest shape again: its buffers are reused, nothing is added or dropped
-    assert set(cachelife.runtime_of(model).states.keys()) == set(kept)
+    assert set(runtime_of(model).states.keys()) == set(kept)
     call(1)  # an evicted shape gets new buffers and the same tokens
-    assert first_keys <= set(cachelife.runtime_of(model).states.keys())
+    assert first_keys <= set(runtime_of(model).states.keys())
 
 
 # -- compiled ----------------------------------------------------------------------------------------------

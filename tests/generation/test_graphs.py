@@ -19,6 +19,7 @@ import torch
 import cachelife
 from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 
 NEW = 12
@@ -91,7 +92,7 @@ WHISPER: dict[str, Any] = {
 @pytest.mark.usefixtures("recorded")
 def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
     built = whisper()
-    record = cachelife.runtime_of(built.model)
+    record = runtime_of(built.model)
     for steps in (1, 3):
         free = check(built, steps=steps, **WHISPER)
         captured = record.captures
@@ -116,7 +117,7 @@ def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
 @pytest.mark.usefixtures("recorded")
 def test_beam_graph_is_reused_across_lengths() -> None:
     built = bart()
-    record = cachelife.runtime_of(built.model)
+    record = runtime_of(built.model)
     settings: dict[str, Any] = {
         "max_new_tokens": NEW, "num_beams": 3, "num_return_sequences": 2, "length_penalty": 2.0,
         "no_repeat_ngram_size": 2, "early_stopping": True,
@@ -133,23 +134,23 @@ def test_beam_graph_is_reused_across_lengths() -> None:
 @pytest.mark.usefixtures("recorded")
 def test_other_buffers_get_their_own_graph_and_old_graphs_are_dropped() -> None:
     first, second = whisper(), whisper()
-    cachelife.runtime_of(first.model).graphs.limit = 2
+    runtime_of(first.model).graphs.limit = 2
     check(first, max_new_tokens=NEW)
     check(second, max_new_tokens=NEW)  # other parameters and caches: not the first model's graph
-    assert (cachelife.runtime_of(first.model).captures, cachelife.runtime_of(second.model).captures) == (1, 1)
+    assert (runtime_of(first.model).captures, runtime_of(second.model).captures) == (1, 1)
     for rows in (1, 3):  # other shapes: other state buffers
         inputs = first.inputs(rows, 9, 1)
         got = cachelife.generate(first.model, fallback=False, max_new_tokens=NEW, **inputs)
         assert isinstance(got, torch.Tensor)
         assert torch.equal(got, zoo.generate_tokens(first.model, inputs, max_new_tokens=NEW))
-    assert cachelife.runtime_of(first.model).captures == 3
-    assert len(cachelife.runtime_of(first.model).graphs) == 2
+    assert runtime_of(first.model).captures == 3
+    assert len(runtime_of(first.model).graphs) == 2
 
 
 @pytest.mark.usefixtures("recorded")
 def test_a_step_compiled_with_other_options_gets_its_own_graph() -> None:
     built = whisper()
-    inputs, record = built.inputs(2, 9, 1), cachelife.runtime_of(built.model)
+    inputs, record = built.inputs(2, 9, 1), runtime_of(built.model)
     expected = zoo.generate_tokens(built.model, inputs, max_new_tokens=NEW)
     for options, captures in ((None, 1), (cachelife.FAST_KERNELS, 2), (None, 2), (cachelife.FAST_KERNELS, 2)):
         got = cachelife.generate(built.model, fallback=False, compile_options=options, max_new_tokens=NEW, **inputs)
@@ -177,7 +178,7 @@ def test_sampling_in_graphs_is_reproducible_and_draws_as_without_graphs(steps: i
         return out
 
     graphed = sample()
-    assert cachelife.runtime_of(built.model).captures == 1
+    assert runtime_of(built.model).captures == 1
     assert torch.equal(sample(), graphed)
     assert torch.equal(sample(compile_step=False), graphed)  # no graph
     assert torch.equal(sample(compile_step=False, steps_per_call=1), graphed)  # one step per call
@@ -195,7 +196,7 @@ def test_compiled_step_in_recorded_graphs_equals_generate(monkeypatch: pytest.Mo
         check(built, steps=steps, **WHISPER)
         check(built, steps=steps, **{**WHISPER, "max_new_tokens": NEW - 3})
     check(built, steps=2, **WHISPER, num_beams=3)
-    assert cachelife.runtime_of(built.model).captures == 3
+    assert runtime_of(built.model).captures == 3
 
 
 @pytest.mark.usefixtures("recorded")
@@ -209,11 +210,9 @@ def test_a_model_without_pool_is_warned_once(caplog: pytest.LogCaptureFixture) -
     assert "is not enabled" in warnings[0]
     cachelife.enable(built.model)
     check(built, max_new_tokens=NEW)
-    captured = cachelife.runtime_of(built.model).captures
+    captured = runtime_of(built.model).captures
     check(built, max_new_tokens=NEW)
-    assert (
-        cachelife.runtime_of(built.model).captures == captured
-    )  # the pool's buffers: the same addresses, the same graph
+    assert runtime_of(built.model).captures == captured  # the pool's buffers: the same addresses, the same graph
 
 
 @pytest.mark.usefixtures("recorded")

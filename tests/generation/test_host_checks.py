@@ -10,6 +10,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import cachelife
+from cachelife.errors import UnsupportedGenerationError
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
 
@@ -175,5 +176,5 @@ def test_max_time_is_read_at_host_checks() -> None:
 def test_host_criteria_with_beam_search_fall_back_by_name() -> None:
     built = build("t5", eos=True)
     criteria = StoppingCriteriaList([StopAfterToken(5, 1)])
-    with pytest.raises(cachelife.UnsupportedGenerationError, match=r"stopping_criteria \(a StopAfterToken\) with beam"):
+    with pytest.raises(UnsupportedGenerationError, match=r"stopping_criteria \(a StopAfterToken\) with beam"):
         fast(built, built.inputs(2, 9, 1), max_new_tokens=6, num_beams=2, stopping_criteria=criteria)

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 import cachelife
+from cachelife.errors import UnsupportedGenerationError
 
 VOCAB = 200
 PAD = 0
@@ -139,7 +140,7 @@ def test_right_padded_prompts_are_refused_by_name() -> None:
     inputs = left_padded()
     inputs["input_ids"] = inputs["input_ids"].flip(-1)
     inputs["attention_mask"] = inputs["attention_mask"].flip(-1)
-    with pytest.raises(cachelife.UnsupportedGenerationError, match="right-padded prompts"):
+    with pytest.raises(UnsupportedGenerationError, match="right-padded prompts"):
         fast(model, inputs, max_new_tokens=4)
 
 
@@ -154,7 +155,7 @@ def test_the_eager_step_decodes_past_a_sliding_window(padded: bool) -> None:
 def test_a_compiled_step_over_sliding_window_layers_is_left_to_transformers() -> None:
     model = build("mistral-sliding")
     inputs = left_padded()
-    with pytest.raises(cachelife.UnsupportedGenerationError, match="sliding-window attention in a compiled step"):
+    with pytest.raises(UnsupportedGenerationError, match="sliding-window attention in a compiled step"):
         cachelife.generate(model, fallback=False, **inputs, max_new_tokens=4)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import cachelife
+from cachelife.generation.decode import decode as bare_decode
 from cachelife.tools import zoo
 
 THREADS = 6
@@ -105,7 +106,7 @@ def test_threads_mixing_cachelife_generate_model_generate_and_decode() -> None:
         return lambda: zoo.generate_tokens(model, one, **settings, cache_implementation="static")
 
     def decode(one: dict[str, Any]) -> Callable[[], torch.Tensor]:
-        return lambda: cachelife.decode(model, one, max_new_tokens=20, compile_step=False)
+        return lambda: bare_decode(model, one, max_new_tokens=20, compile_step=False)
 
     kinds = [fast(model, **inputs[0], **settings), static(inputs[1]), decode(inputs[2])]
     kinds += [fast(model, **inputs[3], **settings), static(inputs[4]), decode(inputs[5])]

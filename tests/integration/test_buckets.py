@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 import cachelife
+from cachelife.core.cache_lifecycle import is_managed_cache
 from cachelife.errors import InvalidBucketsError, UnsupportedGenerationError
 from cachelife.generation.decode import decode
 from cachelife.integration.buckets import BUCKETABLE_MODEL_TYPES, bucket_length, check_buckets
@@ -63,7 +64,7 @@ class SeenByForward:
         mask = kwargs.get("attention_mask")
         capacities = (
             {layer.capacity for layer in cachelife.lifecycle(cache).cross_attention}
-            if cachelife.is_managed_cache(cache)
+            if is_managed_cache(cache)
             else set()
         )
         length = int(kwargs["encoder_outputs"][0].shape[1])

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
-from cachelife.core.cache_lifecycle import CacheLifecycle, static_parts
+from cachelife.core.cache_lifecycle import CacheLifecycle, is_managed_cache, static_parts
 from cachelife.core.layer_lifecycle import Filled, Pinned
 from cachelife.core.shapes import CacheShapes, LayerShape
 from cachelife.errors import CacheShapeError, InvalidArgumentError, UnpinnedCacheError, UnsupportedCacheError
@@ -47,7 +47,7 @@ class FirstCallRecorder:
 
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         cache = find_cache(kwargs)
-        if cache is None or not cachelife.is_managed_cache(cache):
+        if cache is None or not is_managed_cache(cache):
             return
         state = cachelife.lifecycle(cache)
         if not self.lifecycles or self.lifecycles[-1] is not state:

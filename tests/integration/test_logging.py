@@ -15,6 +15,7 @@ from transformers.cache_utils import StaticLayer
 import cachelife
 from cachelife.core.buffers import PinSpec
 from cachelife.core.layer_lifecycle import LayerLifecycle
+from cachelife.log import configure_from_environment
 
 SPEC = PinSpec(
     batch_size=1, num_kv_heads=2, key_head_dim=4, value_head_dim=4, dtype=torch.float32, device=torch.device("cpu")
@@ -69,5 +70,5 @@ def test_environment_variable(value: str, expect: str) -> None:
 def test_unknown_level_warns_and_stays_silent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHELIFE_LOG", "chatty")
     with pytest.warns(UserWarning, match="CACHELIFE_LOG='chatty' is not a logging level"):
-        cachelife.configure_from_environment()
+        configure_from_environment()
     assert logging.getLogger("cachelife").handlers == []

@@ -16,6 +16,7 @@ import cachelife
 from cachelife.errors import InvalidArgumentError
 from cachelife.integration.enabling import options_of
 from cachelife.integration.rewrites import REWRITES
+from cachelife.integration.runtime import runtime_of
 from cachelife.model_rewrites.layer_regions import UNMARKED
 from cachelife.tools import zoo
 
@@ -127,7 +128,7 @@ def test_enable_refuses_options_that_are_not_an_options_value() -> None:
 def decoded(model: PreTrainedModel, inputs: dict[str, Any]) -> int:
     """Decode once, eagerly; the runtime's state buffer sets after it."""
     cachelife.generate(model, fallback=False, compile_step=False, **inputs, **SETTINGS)
-    return len(cachelife.runtime_of(model).states)
+    return len(runtime_of(model).states)
 
 
 def test_a_change_of_options_releases_the_runtime_and_the_same_options_do_not() -> None:
@@ -136,12 +137,12 @@ def test_a_change_of_options_releases_the_runtime_and_the_same_options_do_not() 
     cachelife.enable(model, options=cachelife.Options(small_linear=True))
     assert decoded(model, inputs) > 0
     cachelife.enable(model, options=cachelife.Options(small_linear=True))  # equal: nothing to release
-    assert len(cachelife.runtime_of(model).states) > 0
+    assert len(runtime_of(model).states) > 0
     cachelife.enable(model, options=cachelife.Options(small_linear=True, compile_options={"combo_kernels": True}))
-    assert len(cachelife.runtime_of(model).states) == 0  # the compiled steps had other inductor options
+    assert len(runtime_of(model).states) == 0  # the compiled steps had other inductor options
     assert decoded(model, inputs) > 0
     cachelife.enable(model)
-    assert len(cachelife.runtime_of(model).states) == 0
+    assert len(runtime_of(model).states) == 0
 
 
 def model_state(model: PreTrainedModel) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 import cachelife
+from cachelife.errors import EnabledModelPickleError
+from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 
 SETTINGS: dict[str, Any] = {"max_new_tokens": 8, "min_new_tokens": 8}
@@ -36,7 +38,7 @@ def test_release_frees_every_buffer_graph_and_compiled_step_and_reports_the_byte
     model = cachelife.enable(built.model)
     inputs = built.inputs(2, 9, 1)
     expected = fast(model, inputs)
-    runtime = cachelife.runtime_of(model)
+    runtime = runtime_of(model)
     assert len(runtime.states) > 0
     pool = cachelife.pool_of(model)
     assert pool is not None
@@ -62,7 +64,7 @@ def test_disable_releases_the_runtime() -> None:
     built = zoo.build("llama")
     model = cachelife.enable(built.model)
     fast(model, built.inputs(2, 9, 1))
-    runtime = cachelife.runtime_of(model)
+    runtime = runtime_of(model)
     assert len(runtime.states) > 0
     cachelife.disable(model)
     assert (len(runtime.states), runtime.pool) == (0, runtime.pool)
@@ -86,7 +88,7 @@ def test_a_deep_copy_of_an_enabled_model_decodes_with_its_own_weights(pool_bytes
     assert torch.equal(fast(twin, inputs), expected)
     assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS, cache_implementation="static"), original)
     assert torch.equal(fast(model, inputs), original)
-    assert cachelife.runtime_of(twin) is not cachelife.runtime_of(model)
+    assert runtime_of(twin) is not runtime_of(model)
 
 
 def test_disabling_a_copy_leaves_the_original_enabled_and_guarded() -> None:
@@ -106,9 +108,9 @@ def test_disabling_a_copy_leaves_the_original_enabled_and_guarded() -> None:
 
 def test_pickling_an_enabled_model_raises_a_cachelife_error_that_names_the_fix() -> None:
     model = cachelife.enable(zoo.build("llama").model)
-    with pytest.raises(cachelife.EnabledModelPickleError, match=r"cachelife\.disable\(model\) first"):
+    with pytest.raises(EnabledModelPickleError, match=r"cachelife\.disable\(model\) first"):
         pickle.dumps(model)
-    with pytest.raises(cachelife.EnabledModelPickleError, match="state_dict"):
+    with pytest.raises(EnabledModelPickleError, match="state_dict"):
         torch.save(model, io.BytesIO())
     cachelife.disable(model)
     assert isinstance(pickle.loads(pickle.dumps(model)), type(model))
@@ -117,7 +119,7 @@ def test_pickling_an_enabled_model_raises_a_cachelife_error_that_names_the_fix()
 def test_two_hundred_calls_of_changing_shapes_keep_the_runtime_bounded() -> None:
     built = zoo.build("llama")
     model = cachelife.enable(built.model, pool_bytes=256 * 1024)
-    runtime = cachelife.runtime_of(model)
+    runtime = runtime_of(model)
     pool = cachelife.pool_of(model)
     assert pool is not None
     for call in range(200):

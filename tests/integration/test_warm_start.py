@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import cachelife
+from cachelife.errors import CompileArtifactsFormatError, CompileArtifactsMismatchError, NoCompileArtifactsError
 from cachelife.integration.warm_start import MAGIC
 
 SOURCE = Path(__file__).resolve().parents[2] / "src"
@@ -107,7 +108,7 @@ def test_another_torch_version_is_refused_naming_both(tmp_path: Path, torch_arti
     path = tmp_path / "warm.artifacts"
     cachelife.save_compile_artifacts(path)
     rewrite_header(path, torch="2.11.0+cu130")
-    with pytest.raises(cachelife.CompileArtifactsMismatchError, match=r"torch '2\.11\.0\+cu130'") as raised:
+    with pytest.raises(CompileArtifactsMismatchError, match=r"torch '2\.11\.0\+cu130'") as raised:
         cachelife.load_compile_artifacts(path)
     assert isinstance(raised.value, RuntimeError)
     assert repr(torch.__version__) in str(raised.value)
@@ -118,7 +119,7 @@ def test_another_device_type_is_refused_naming_both(tmp_path: Path, torch_artifa
     path = tmp_path / "warm.artifacts"
     header = cachelife.save_compile_artifacts(path)
     rewrite_header(path, device_type="xpu")
-    with pytest.raises(cachelife.CompileArtifactsMismatchError, match=r"compiled on 'xpu'") as raised:
+    with pytest.raises(CompileArtifactsMismatchError, match=r"compiled on 'xpu'") as raised:
         cachelife.load_compile_artifacts(path)
     assert repr(header.device_type) in str(raised.value)
     assert torch_artifacts == []
@@ -138,7 +139,7 @@ def test_a_damaged_file_is_refused(tmp_path: Path, torch_artifacts: list[bytes],
     path = tmp_path / "warm.artifacts"
     cachelife.save_compile_artifacts(path)
     path.write_bytes(damage(path.read_bytes()))
-    with pytest.raises(cachelife.CompileArtifactsFormatError, match=match) as raised:
+    with pytest.raises(CompileArtifactsFormatError, match=match) as raised:
         cachelife.load_compile_artifacts(path)
     assert isinstance(raised.value, ValueError)
     assert torch_artifacts == []
@@ -148,7 +149,7 @@ def test_another_format_version_is_refused(tmp_path: Path, torch_artifacts: list
     path = tmp_path / "warm.artifacts"
     cachelife.save_compile_artifacts(path)
     rewrite_header(path, format_version=99)
-    with pytest.raises(cachelife.CompileArtifactsFormatError, match=r"expected compile-artifacts format 1 .* got 99"):
+    with pytest.raises(CompileArtifactsFormatError, match=r"expected compile-artifacts format 1 .* got 99"):
         cachelife.read_compile_artifacts_header(path)
 
 
@@ -156,7 +157,7 @@ def test_saving_before_anything_compiled_raises_and_writes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
-    with pytest.raises(cachelife.NoCompileArtifactsError, match="warm up first"):
+    with pytest.raises(NoCompileArtifactsError, match="warm up first"):
         cachelife.save_compile_artifacts(tmp_path / "warm.artifacts")
     assert list(tmp_path.iterdir()) == []
 
@@ -233,4 +234,4 @@ def test_artifacts_saved_in_one_process_warm_another_with_an_empty_cache(tmp_pat
     assert cache_counts(saving)["misses"] > 0
     assert cache_counts(loading) == {"hits": cache_counts(loading)["hits"], "misses": 0}
     assert cache_counts(loading)["hits"] > 0
-    # How much faster the warm first call is belongs to bench/warm_start.py, not to a test's verdict.
+    # How much faster the warm first call is, is a benchmark's question, not a test's verdict.

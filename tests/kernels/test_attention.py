@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import cachelife
 from cachelife.errors import CacheShapeError, InvalidArgumentError, UnsupportedGenerationError
+from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.attention import (
     MAX_SPLITS,
     attention_combine_kernel,
@@ -556,7 +557,7 @@ def test_compiled_step_captures_the_op_in_cuda_graphs(name: str) -> None:
     assert isinstance(again, torch.Tensor)
     assert torch.equal(first, expected)
     assert torch.equal(again, expected)
-    assert cachelife.runtime_of(model).captures == 1
+    assert runtime_of(model).captures == 1
 
 
 @pytest.mark.gpu

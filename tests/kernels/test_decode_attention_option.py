@@ -17,6 +17,8 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedConfig, PreTrainedModel
 
 import cachelife
+from cachelife.errors import UnsupportedGenerationError
+from cachelife.integration.runtime import runtime_of
 from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.tools import zoo
 
@@ -96,9 +98,9 @@ def test_switching_releases_the_runtime() -> None:
     model, inputs = built.model, built.inputs(2, 7, 1)
     cachelife.enable(model)
     cachelife.generate(model, compile_step=False, **inputs, **SETTINGS)
-    assert len(cachelife.runtime_of(model).states) > 0
+    assert len(runtime_of(model).states) > 0
     cachelife.enable(model, options=cachelife.Options(decode_attention=True))
-    assert len(cachelife.runtime_of(model).states) == 0  # compiled steps and graphs called the other attention
+    assert len(runtime_of(model).states) == 0  # compiled steps and graphs called the other attention
 
 
 def test_a_deep_copy_is_switched_and_restored_on_its_own() -> None:
@@ -135,16 +137,17 @@ def test_a_model_with_a_part_of_its_own_attention_is_refused_before_anything_cha
     model.add_module("own", OwnAttentionModel(zoo.llama_tiny()))
     before = implementations(model)
     refusal = "OwnAttentionModel computes attention outside transformers' attention interface"
-    with pytest.raises(cachelife.UnsupportedGenerationError, match=refusal):
+    with pytest.raises(UnsupportedGenerationError, match=refusal):
         cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     assert not cachelife.is_enabled(model)
     cachelife.enable(model)
-    with pytest.raises(cachelife.UnsupportedGenerationError, match=refusal):
+    with pytest.raises(UnsupportedGenerationError, match=refusal):
         cachelife.enable(model, options=cachelife.Options(decode_attention=True, fuse_projections=True))
     assert implementations(model) == before
     assert not any("cachelife_fused" in name for name, _ in model.named_buffers())
-    # The settings were left as they were: this fuses.
-    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
+    cachelife.enable(
+        model, options=cachelife.Options(fuse_projections=True)
+    )  # the settings were left as they were: this fuses
     assert any("cachelife_fused" in name for name, _ in model.named_buffers())
 
 

@@ -1,6 +1,6 @@
-"""`cachelife.Options(small_linear=True)`: the decoding steps' linear products of one row and few output features
-through `cachelife.kernels.linear`, with eager tokens; turning it off; and `SmallLinearProducts`, which routes
-them.
+"""`cachelife.Options(small_linear=True)`: the decoding steps' linear products of one row and few output
+features through `cachelife.kernels.linear`, with eager tokens; turning it off; and `SmallLinearProducts`, which
+routes them.
 
 Every token test also counts the op's calls, so that equality tests the kernel and not its absence. Without
 Triton (or without `TRITON_INTERPRET=1`) the op runs torch's product; with both, Triton's interpreter.
@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 import cachelife
 from cachelife.integration.enabling import options_of
+from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.linear import TAKEN_FEATURES, SmallLinearProducts
 from cachelife.tools import zoo
 
@@ -148,4 +149,4 @@ def test_graphs_take_the_kernel_with_eager_tokens_on_cuda(name: str) -> None:
     assert isinstance(again, torch.Tensor)
     assert torch.equal(first, expected)
     assert torch.equal(again, expected)
-    assert cachelife.runtime_of(model).captures == 1
+    assert runtime_of(model).captures == 1

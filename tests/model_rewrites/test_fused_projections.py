@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel, T5Config, T5ForConditionalGeneration
 
 import cachelife
+from cachelife.integration.runtime import runtime_of
 from cachelife.model_rewrites.fused_projections import FusedProjections, fuse_projections
 from cachelife.tools import zoo
 
@@ -181,10 +182,10 @@ def test_enable_again_without_fusion_restores_and_releases() -> None:
     cachelife.enable(model)
     assert not fused_buffers(model)
     cachelife.generate(model, compile_step=False, **inputs, **SETTINGS)
-    assert len(cachelife.runtime_of(model).states) > 0
+    assert len(runtime_of(model).states) > 0
     cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert_fused(model)
-    assert len(cachelife.runtime_of(model).states) == 0  # released: graphs and steps read the old weights
+    assert len(runtime_of(model).states) == 0  # released: graphs and steps read the old weights
     cachelife.enable(model, options=cachelife.Options(fuse_projections=True))  # unchanged: nothing happens
     assert_fused(model)
     cachelife.enable(model)

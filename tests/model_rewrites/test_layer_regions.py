@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 import cachelife
+from cachelife.integration.runtime import runtime_of
 from cachelife.model_rewrites.layer_regions import UNMARKED, mark_layer_regions, stacks
 from cachelife.tools import zoo
 
@@ -105,7 +106,7 @@ def test_turning_it_off_restores_the_layers_and_releases_the_runtime(monkeypatch
     model, inputs = built.model, built.inputs(1, 5, 2)
     cachelife.enable(model, options=cachelife.Options(compile_regions=True))
     first = cachelife.generate(model, fallback=False, compile_step=False, **inputs, **SETTINGS)
-    runtime = cachelife.runtime_of(model)
+    runtime = runtime_of(model)
     release = type(runtime).release
     released: list[object] = []
 
@@ -160,4 +161,4 @@ def test_graphs_with_regions_have_eager_tokens_on_cuda(name: str) -> None:
         tokens = cachelife.generate(model, fallback=False, max_new_tokens=24, min_new_tokens=24, **inputs)
         assert isinstance(tokens, torch.Tensor)
         assert torch.equal(tokens, expected)
-    assert cachelife.runtime_of(model).captures == 1
+    assert runtime_of(model).captures == 1

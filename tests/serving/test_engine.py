@@ -27,6 +27,7 @@ from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
 from cachelife.serving import prefill as prefill_module
 from cachelife.serving.engine import Engine
+from cachelife.serving.row_ngrams import LONGEST_NGRAM
 from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
@@ -455,19 +456,35 @@ def test_bad_requests_are_refused_before_any_work(
 
 
 @pytest.mark.parametrize(
-    ("settings", "match"),
+    ("settings", "error", "match"),
     [
-        ({"num_beams": 2}, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
-        ({"max_new_tokens": 60}, "the engine's max_length is 16"),
-        ({"no_repeat_ngram_size": 2}, "NoRepeatNGram"),
+        ({"num_beams": 2}, InvalidArgumentError, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
+        ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine"),
+        ({"max_length": 30}, InvalidArgumentError, r"max_length is 30 \(prompt 4"),
+        ({"bad_words_ids": [[5, 6]]}, UnsupportedGenerationError, "bad_words_ids"),
+        ({"sequence_bias": {(5,): -1.0}}, UnsupportedGenerationError, "sequence_bias"),
+        ({"do_sample": True, "num_return_sequences": 2}, UnsupportedGenerationError,
+         "num_return_sequences=2 without beam search"),
+        ({"return_dict_in_generate": True}, UnsupportedGenerationError, "return_dict_in_generate=True"),
     ],
-)
-def test_what_the_engine_does_not_decode_fails_the_request(
-    llama: zoo.ZooModel, settings: dict[str, Any], match: str
+)  # fmt: skip
+def test_what_the_engine_does_not_decode_is_refused_at_submit_by_name(
+    llama: zoo.ZooModel, settings: dict[str, Any], error: type[Exception], match: str
 ) -> None:
     with Engine(llama.model, rows=1, max_length=16, compile_step=False) as engine:
-        future: Future[Any] = engine.submit(**llama.inputs(1, 4, 0), **{"max_new_tokens": 4, **settings})
-        with pytest.raises((UnsupportedGenerationError, InvalidArgumentError), match=match):
+        budget = {} if "max_length" in settings else {"max_new_tokens": 4}
+        with pytest.raises(error, match=match):
+            engine.submit(**llama.inputs(1, 4, 0), **{**budget, **settings})
+        assert engine.stats().held == 0
+
+
+def test_what_generate_prepares_past_the_rows_fails_the_request_by_name() -> None:
+    # Whisper's decoder prompt is known once its generate prepared it: a request whose prompt and new tokens
+    # pass the engine's max_length fails its future, naming both.
+    built = build("whisper")
+    with Engine(built.model, rows=1, max_length=12, compile_step=False) as engine:
+        future: Future[Any] = engine.submit(**built.inputs(1, 0, 0), max_new_tokens=11)
+        with pytest.raises(InvalidArgumentError, match="the engine's max_length is 12"):
             future.result(timeout=120)
 
 
@@ -667,9 +684,9 @@ def test_close_without_waiting_leaves_no_thread_behind(llama: zoo.ZooModel) -> N
 
 @pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_mix_of_settings_decodes_together_each_as_its_own_generate(llama: zoo.ZooModel, compile_step: bool) -> None:
-    # Every request's settings are values in its row: all of them share the per-row pipeline (its greedy and
-    # sampling variants), and each request equals its own cachelife.generate with the same seed.
-    pairs = zip(requests_of(llama, 9), zoo.mixed_settings(), strict=True)
+    # Every request's settings are values in its row: all of them share the per-row pipeline (its variants with
+    # and without sampling and n-gram bans), and each request equals its own cachelife.generate with the same seed.
+    pairs = zip(requests_of(llama, 11), zoo.mixed_settings(), strict=True)
     requests = [{**request, **settings} for request, settings in pairs]
 
     def seeded(index: int) -> torch.Generator:
@@ -679,11 +696,30 @@ def test_a_mix_of_settings_decodes_together_each_as_its_own_generate(llama: zoo.
         futures = [engine.submit(**request, generator=seeded(i)) for i, request in enumerate(requests)]
         results = [future.result(timeout=300) for future in futures]
         programs = engine.stats().programs
-    assert programs <= 2
+    assert programs <= 4
     for index, (request, result) in enumerate(zip(requests, results, strict=True)):
         assert torch.equal(result, alone(llama.model, **request, generator=seeded(index))), (index, request)
         if not request.get("do_sample"):
             assert torch.equal(result, zoo.generate_tokens(llama.model, request)), (index, request)
+
+
+def test_ngram_bans_of_each_rows_own_size_decode_as_generate(llama: zoo.ZooModel) -> None:
+    # Greedy rows of n-gram sizes 0 to 4 in one batch, each equal to model.generate; the bans change the tokens
+    # (the tiny model repeats itself without them). Sizes up to LONGEST_NGRAM are row values of the per-row
+    # pipeline; a longer one runs a program of its own.
+    sizes = [2, 0, 3, 1, 4, LONGEST_NGRAM + 1, 2]
+    requests = [{**llama.inputs(1, 3 + index, index), "max_new_tokens": 24, "min_new_tokens": 24,
+                 "no_repeat_ngram_size": size} for index, size in enumerate(sizes)]  # fmt: skip
+    with Engine(llama.model, rows=3, max_length=40, compile_step=False) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
+        programs = engine.stats().programs
+    assert programs <= 3  # the greedy variants, with and without the bans, and the longer n-grams' own
+    changed = 0
+    for request, result in zip(requests, results, strict=True):
+        assert torch.equal(result, zoo.generate_tokens(llama.model, request)), request
+        unbanned = zoo.generate_tokens(llama.model, {**request, "no_repeat_ngram_size": 0})
+        changed += int(not torch.equal(result, unbanned))
+    assert changed >= 2
 
 
 def test_requests_of_other_temperatures_decode_at_once_in_one_program(llama: zoo.ZooModel) -> None:

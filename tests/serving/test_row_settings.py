@@ -10,6 +10,7 @@ import torch
 from transformers.generation import logits_process as lp
 
 from cachelife.generation.penalties import OccurrencePenalty
+from cachelife.serving.row_ngrams import LONGEST_NGRAM
 from cachelife.serving.row_settings import PerRow, RowSettings, per_row, pick, process
 
 VOCAB = 40
@@ -145,7 +146,8 @@ def test_pick_uses_each_rows_rule() -> None:
 @pytest.mark.parametrize(
     ("processors", "do_sample", "reason"),
     [
-        ([lp.NoRepeatNGramLogitsProcessor(2)], False, "NoRepeatNGramLogitsProcessor"),
+        ([lp.NoRepeatNGramLogitsProcessor(9)], False, "NoRepeatNGramLogitsProcessor of 9-grams"),
+        ([lp.NoBadWordsLogitsProcessor([[4]], EOS)], False, "NoBadWordsLogitsProcessor"),
         ([lp.TopKLogitsWarper(5), lp.TemperatureLogitsWarper(0.5)], True, "an order of their own"),
         ([lp.TopKLogitsWarper(5, min_tokens_to_keep=2)], True, "min_tokens_to_keep"),
         ([lp.TemperatureLogitsWarper(0.5)], False, "without sampling"),
@@ -156,6 +158,48 @@ def test_other_processors_are_named(processors: list[lp.LogitsProcessor], do_sam
     found = per_row(processors, do_sample=do_sample, eos=EOS, pad=0)
     assert isinstance(found, str)
     assert reason in found
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_rows_ngram_bans_equal_transformers_processor_at_every_length(seed: int) -> None:
+    # Sizes 0 (off) to LONGEST_NGRAM, one per row, over tokens of a few ids (repeats are frequent), every
+    # length from 1 to the buffer's width; each row against NoRepeatNGramLogitsProcessor over its own tokens.
+    sizes = [0, 1, 2, 3, 4, 5, LONGEST_NGRAM, 2]
+    width = 14
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 3, (len(sizes), width), generator=generator)
+    settings = RowSettings.allocate(len(sizes), VOCAB, torch.device("cpu"))
+    processors: list[list[lp.LogitsProcessor]] = [
+        [lp.NoRepeatNGramLogitsProcessor(size)] if size else [] for size in sizes
+    ]
+    for row, listed in enumerate(processors):
+        found = per_row(listed, do_sample=False, eos=EOS, pad=0)
+        assert isinstance(found, PerRow), found
+        settings.write(row, found)
+    banned = 0
+    for length in range(1, width + 1):
+        scores = torch.randn(len(sizes), VOCAB, generator=generator)
+        got = process(settings, tokens, torch.full((len(sizes), 1), length), scores.clone(), sampling=False,
+                      ngrams=True)  # fmt: skip
+        for row, listed in enumerate(processors):
+            want = scores[row : row + 1].clone()
+            for processor in listed:
+                want = processor(tokens[row : row + 1, :length], want)
+            assert torch.equal(got[row : row + 1], want), (row, sizes[row], length)
+        banned += int(torch.isinf(got).sum())
+    assert banned > 0  # the rows' tokens repeat: some n-grams were banned
+
+
+def test_rows_of_other_lengths_ban_their_own_ngrams() -> None:
+    # One batch, each row at a length of its own (the engine's rows), left padding (0) in the second row.
+    tokens = torch.tensor([[5, 6, 5, 6, 5, 0, 0, 0], [0, 0, 5, 6, 5, 6, 5, 9]])
+    settings = RowSettings.allocate(2, VOCAB, torch.device("cpu"))
+    for row in range(2):
+        settings.write(row, PerRow(do_sample=False, eos=(3,), pad=0, no_repeat_ngram=2))
+    length = torch.tensor([[5], [8]])
+    got = process(settings, tokens, length, torch.zeros(2, VOCAB), sampling=False, ngrams=True)
+    assert torch.isinf(got[0]).nonzero().view(-1).tolist() == [6]  # after 5: 5 6 seen
+    assert torch.isinf(got[1]).nonzero().view(-1).tolist() == []  # after 9: nothing seen
 
 
 def test_a_cleared_row_changes_no_score() -> None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from bench.engine import milliseconds, percentile
 from bench.serving_load import (
     BAD_KINDS,
     Outcome,
@@ -27,6 +26,7 @@ from bench.serving_load import (
     summary,
     target,
 )
+from bench.timing import milliseconds, percentile
 
 SHAPES: dict[str, Any] = {"prompt_tokens": (4, 24), "new_tokens": (2, 10), "vocab": 512, "max_length": 40}
 # The engine of the runs below: the tiny Llama's step uncompiled (compiling it takes most of a minute on a CPU).

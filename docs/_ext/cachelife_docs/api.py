@@ -1,4 +1,5 @@
-"""The API page: autodoc directives for every name in `cachelife.__all__`, grouped by the module that defines it."""
+"""The API page: autodoc directives for every name in `cachelife.__all__`, grouped by task (`api_groups`), and
+every error of `cachelife.errors`."""
 
 from __future__ import annotations
 
@@ -11,16 +12,10 @@ from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
 import cachelife
+from cachelife_docs import api_groups
+from cachelife_docs.api_groups import GROUPS, placement
 
-# Modules whose names a user meets first lead the page; every other module follows in name order.
-LEADING = (
-    "cachelife.integration.enabling",
-    "cachelife.generation.api",
-    "cachelife.generation.decode",
-    "cachelife.core.pinning",
-    "cachelife.core.cache_lifecycle",
-    "cachelife.core.layer_lifecycle",
-)
+UNPLACED_INTRO = "Public names that no group of ``docs/_ext/cachelife_docs/api_groups.py`` lists yet."
 # Values too long to show in full are named only.
 LONGEST_VALUE = 120
 # Constants carry no docstring of their own; the page says what they are.
@@ -45,36 +40,6 @@ def _directive(value: object) -> str:
     return "autodata"
 
 
-def _module_of(value: object) -> str | None:
-    if inspect.isclass(value) or inspect.isfunction(value):
-        return value.__module__
-    return None
-
-
-def groups() -> dict[str, list[str]]:
-    """Module -> the public names it defines (in `__all__` order): the `LEADING` modules first, then the others
-    by name; names that are values rather than classes or functions come last, under "Constants"."""
-    found: dict[str, list[str]] = {}
-    constants: list[str] = []
-    for name in cachelife.__all__:
-        module = _module_of(getattr(cachelife, name))
-        if module is None:
-            constants.append(name)
-        else:
-            found.setdefault(module, []).append(name)
-    first = [module for module in LEADING if module in found]
-    ordered = {module: found[module] for module in [*first, *sorted(set(found) - set(first))]}
-    if constants:
-        ordered["Constants"] = constants
-    return ordered
-
-
-def _summary(module: str) -> str:
-    """The first sentence of a module's docstring."""
-    doc = inspect.getdoc(importlib.import_module(module)) or ""
-    return " ".join(doc.split("\n\n", 1)[0].split())
-
-
 def drop_type_docstrings(  # noqa: PLR0917 - the signature autodoc calls its hooks with
     app: object, what: str, name: str, obj: object, options: object, lines: list[str]
 ) -> None:
@@ -85,30 +50,56 @@ def drop_type_docstrings(  # noqa: PLR0917 - the signature autodoc calls its hoo
 
 
 class PublicApi(SphinxDirective):
-    """Every public name, documented from its docstring."""
+    """Every public name, documented from its docstring, under the task it serves."""
 
     def run(self) -> list[nodes.Node]:
+        groups = {group.title: group for group in GROUPS}
         lines: list[str] = []
-        for module, names in groups().items():
-            title = module if module == "Constants" else f"``{module}``"
-            lines += [title, "-" * len(title), ""]
-            if module != "Constants":
-                self.env.note_dependency(inspect.getfile(getattr(cachelife, names[0])))
-                summary = _summary(module)
-                if summary:
-                    lines += [summary, ""]
+        for title, names in placement().items():
+            group = groups.get(title)
+            lines += [title, "-" * len(title), "", group.intro if group is not None else UNPLACED_INTRO, ""]
             for name in names:
                 value = getattr(cachelife, name)
-                kind = _directive(value)
-                lines.append(f".. {kind}:: cachelife.{name}")
-                if kind == "autoclass":
-                    lines.append("   :members:")
-                if kind == "autodata" and len(repr(value)) > LONGEST_VALUE:
-                    lines.append("   :no-value:")
-                note = NOTES.get(name)
-                if note:
-                    lines += ["", f"   {note}"]
-                lines.append("")
+                self._note_source(value)
+                lines += _entry(f"cachelife.{name}", value, NOTES.get(name))
+            if group is not None and group.members_of is not None:
+                for value in _exceptions_of(group.members_of):
+                    self._note_source(value)
+                    lines += _entry(f"{group.members_of}.{value.__name__}", value, None)
+        self.env.note_dependency(inspect.getfile(cachelife))
+        self.env.note_dependency(api_groups.__file__)
         container = nodes.section()
         nested_parse_with_titles(self.state, StringList(lines, source="cachelife.__all__"), container)
         return list(container.children)
+
+    def _note_source(self, value: object) -> None:
+        """Rebuild the page when the module that defines a documented class or function changes."""
+        if inspect.isclass(value) or inspect.isfunction(value):
+            self.env.note_dependency(inspect.getfile(value))
+
+
+def _entry(dotted: str, value: object, note: str | None) -> list[str]:
+    """The autodoc directive for one documented name."""
+    kind = _directive(value)
+    lines = [f".. {kind}:: {dotted}"]
+    if kind == "autoclass":
+        lines.append("   :members:")
+    if kind == "autodata" and len(repr(value)) > LONGEST_VALUE:
+        lines.append("   :no-value:")
+    if note:
+        lines += ["", f"   {note}"]
+    return [*lines, ""]
+
+
+def _exceptions_of(module: str) -> list[type[BaseException]]:
+    """Every exception class `module` defines that is not at the top level, in source order."""
+    loaded = importlib.import_module(module)
+    found = [
+        value
+        for name, value in vars(loaded).items()
+        if inspect.isclass(value)
+        and issubclass(value, BaseException)
+        and value.__module__ == module
+        and name not in cachelife.__all__
+    ]
+    return sorted(found, key=lambda value: inspect.getsourcelines(value)[1])

@@ -59,3 +59,15 @@ def provenance(root: Path, path: Path, relative: str, record: Mapping[str, Any])
     if isinstance(commit, str):
         commit_text = commit + (" + uncommitted changes" if record.get("dirty") is True else "")
     return Provenance(rerun=rerun, recorded_command=recorded_text, commit=commit_text)
+
+
+def recorded_command(record: Mapping[str, Any]) -> str | None:
+    """The command line a file recorded (`python -m MODULE ...`, without `--out`), where it is not an entry's
+    command: the file was matched to its entry by name, and `python -m bench run NAME` would run otherwise.
+    None where the recorded command is an entry's, or none was recorded."""
+    readme = importlib.import_module("bench.results_readme")
+    command = record.get("command")
+    if not isinstance(command, str) or "-m" not in command.split() or readme.recorded_entry(dict(record)):
+        return None
+    words = command.split()
+    return " ".join(["python", *readme.without_out(words[words.index("-m") :])])

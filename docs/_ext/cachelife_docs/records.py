@@ -136,6 +136,28 @@ def tables(record: Mapping[str, Any]) -> list[Table]:
     return found
 
 
+def select(found: list[Table], title: str, columns: list[str], join: str = "") -> tuple[tuple[str, ...], ...] | None:
+    """The `columns` of table `title`'s rows (empty where a row has none), each row completed by the first row of
+    table `join` that agrees with it on every column the two tables share; None if there is no table `title`."""
+    by_title = {table.title: table for table in found}
+    main = by_title.get(title)
+    if main is None:
+        return None
+    joined = by_title.get(join)
+    rows = []
+    for row in main.rows:
+        cells = dict(zip(main.columns, row, strict=True))
+        if joined is not None:
+            shared = [column for column in joined.columns if column in main.columns]
+            for other in joined.rows:
+                extra = dict(zip(joined.columns, other, strict=True))
+                if all(extra[column] == cells[column] for column in shared):
+                    cells = {**extra, **cells}
+                    break
+        rows.append(tuple(cells.get(column, "") for column in columns))
+    return tuple(rows)
+
+
 def _is_plain(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return all(_is_plain(item) and not isinstance(item, list | tuple) for item in value)

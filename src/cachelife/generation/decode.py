@@ -1,4 +1,4 @@
-"""`cachelife.decode`: a preset of `cachelife.generate` for bare generation configs.
+"""`decode`: a preset of `cachelife.generate` for bare generation configs (at the top level until 0.2).
 
 `decode(model, inputs, max_new_tokens=...)` is `cachelife.generate(model, **inputs, max_new_tokens=...)` with
 greedy search or plain sampling (temperature, top-k, a seeded `torch.Generator`), nothing else: a model whose
@@ -89,7 +89,7 @@ def _check_generation_config(model: PreTrainedModel) -> None:
     if active:
         msg = (
             f"{type(model).__name__}'s generation config sets {', '.join(active)}, whose logits processors "
-            "cachelife.decode does not apply; set them to None on model.generation_config, or use "
+            "decode (cachelife.generation.decode) does not apply; set them to None on model.generation_config, or use "
             "cachelife.generate, which applies them"
         )
         raise UnsupportedGenerationError(msg)
@@ -102,6 +102,6 @@ def _with_whisper_start(model: PreTrainedModel, tokens: torch.Tensor) -> torch.T
         return tokens
     start = model.generation_config.decoder_start_token_id
     if not isinstance(start, int):
-        msg = f"cachelife.decode needs one decoder start token id, got {start!r}"
+        msg = f"decode needs one decoder start token id, got {start!r}"
         raise UnsupportedGenerationError(msg)
     return torch.cat([torch.full_like(tokens[:, :1], start), tokens], dim=1)

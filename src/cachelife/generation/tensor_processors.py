@@ -80,7 +80,8 @@ def repetition_penalised(
 
 @frozen
 class NoRepeatNGram:
-    """NoRepeatNGramLogitsProcessor over the first `length` tokens of each row."""
+    """NoRepeatNGramLogitsProcessor over the first `length` tokens of each row: `length` is one for every row
+    (0-dim) or each row's own ((rows, 1), the engine's rows)."""
 
     size: int
 
@@ -88,11 +89,11 @@ class NoRepeatNGram:
         n, width, vocab = self.size, tokens.shape[1], scores.shape[-1]
         offsets = torch.arange(n - 1, device=tokens.device)
         prefix_at = (length - (n - 1) + offsets).clamp(0, width - 1)
-        prefix = tokens.index_select(1, prefix_at)  # the last n - 1 tokens
+        prefix = tokens.gather(1, prefix_at.expand(tokens.shape[0], n - 1))  # the last n - 1 tokens
         windows = tokens.unfold(1, n, 1)  # (rows, width - n + 1, n)
         starts = torch.arange(windows.shape[1], device=tokens.device)
         complete = starts + n <= length  # windows wholly inside the sequence
-        matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & complete[None, :]
+        matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & complete
         banned = scores.new_zeros((scores.shape[0], vocab + 1), dtype=torch.bool)
         banned = banned.scatter(1, torch.where(matches, windows[..., -1].clamp(max=vocab), vocab), True)
         masked = scores.masked_fill(banned[:, :vocab], -float("inf"))

@@ -100,7 +100,7 @@ _NAMESPACE = _Namespace()
 def pinned_compile_cache() -> Iterator[None]:
     """Compile (and load compiled graphs) in cachelife's compile-cache namespace; see the module docstring.
 
-    `generate` on an enabled model and `cachelife.decode` enter it themselves; use it around your own
+    `generate` on an enabled model and `cachelife.generate` enter it themselves; use it around your own
     decoding loop when it calls a compiled model with caches from `prepare_static_cache`.
     """
     before = _NAMESPACE.enter()

@@ -103,7 +103,7 @@ def with_deprecated_levers(options: object, **levers: bool | None) -> Options:
     combined = attrs.evolve(options, **given)
     keywords = ", ".join(f"{name}={value!r}" for name, value in given.items())
     message = (
-        f"cachelife.enable(model, {keywords}) is deprecated and will be removed in the next release: "
+        f"cachelife.enable(model, {keywords}) is deprecated and will be removed in 0.3: "
         f"pass options=cachelife.{combined!r}"
     )
     warnings.warn(message, DeprecationWarning, stacklevel=3)

@@ -12,10 +12,10 @@ A model's `ModelRuntime` holds
 per-model state: a model that is garbage-collected takes its runtime with it (the registry is weak), and a
 deep copy of a model starts with a runtime of its own.
 
-Threads: a `generate` call of an enabled model, `cachelife.generate` and `cachelife.decode` hold the model's
-lock for the whole call, so calls on one model run one after another, in any threads; calls on different
-models run in parallel, except for what `FIRST_CALLS` serialises (compiling a step for the first time and
-capturing a CUDA graph, which share process-wide machinery).
+Threads: a `generate` call of an enabled model and `cachelife.generate` hold the model's lock for the whole
+call, so calls on one model run one after another, in any threads; calls on different models run in parallel,
+except for what `FIRST_CALLS` serialises (compiling a step for the first time and capturing a CUDA graph, which
+share process-wide machinery).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ torch's bytes. torch only reuses graphs compiled by the same torch build (its ca
 so loading artifacts saved by another torch version, or for another device type, raises
 `CompileArtifactsMismatchError` instead of loading entries that would never be found.
 
-Graphs compiled inside `pinned_compile_cache()` (every `generate` of an enabled model, `cachelife.decode`)
+Graphs compiled inside `pinned_compile_cache()` (every `generate` of an enabled model, `cachelife.generate`)
 are keyed under cachelife's tag; the loading process finds them when it decodes through cachelife too. The
 header records the tag outside cachelife's part (`TORCH_COMPILE_CACHE_KEY_TAG`, say); loading under another
 one logs a WARNING, since no saved graph would match.

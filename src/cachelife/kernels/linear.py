@@ -12,9 +12,9 @@ It runs the custom op `cachelife::small_linear`: Triton kernels on CUDA tensors,
 implementation lets dynamo trace it with `fullgraph=True`, and its launch depends on static shapes only, so it
 captures in CUDA graphs. `SmallLinearProducts`, a torch function mode, sends a region's
 `torch.nn.functional.linear` calls of the products it is faster at than cuBLAS (`taken`: one row, at most
-`TAKEN_FEATURES` output features, from `python -m bench run linear-kernel` on an H200) to it (`nn.Linear`
-modules and fused projections call that function); cachelife's decoding steps run in it when a model is enabled
-with `small_linear=True`.
+`TAKEN_FEATURES` output features, measured on an H200 by `bench/linear.py`, in the repository's history) to it
+(`nn.Linear` modules and fused projections call that function); cachelife's decoding steps run in it when a model
+is enabled with `small_linear=True`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ MAX_ROWS: Final = 16
 TAKEN_ROWS: Final = 1
 TAKEN_FEATURES: Final = 2048
 """The products `SmallLinearProducts` sends to the kernel: at most `TAKEN_ROWS` rows and `TAKEN_FEATURES` output
-features, those at which it ran faster than cuBLAS on an H200 (`python -m bench run linear-kernel`)."""
+features, those at which it ran faster than cuBLAS on an H200 (`bench/linear.py`, in the repository's history)."""
 # Elements of a program's product tile (rows x output features x input features) held at once.
 _TILE_ELEMENTS: Final = 4096
 _PROGRAMS_PER_SM: Final = 2

@@ -214,8 +214,8 @@ class Batch:
         """One call of the step for every row (`steps_per_call` steps; a graph's first call runs one)."""
         if self.program is None:
             return
-        if self.program.key[0] == PER_ROW:  # the sampling stages only while a row samples
-            self.program = self._per_row(sampling=self._samples())
+        if self.program.key[0] == PER_ROW:  # the sampling stages and n-gram bans only while a row needs them
+            self.program = self._per_row(*self._stages())
         spc = self.settings.steps_per_call
         for row, seat in self.seats.items():
             generator = seat.joining.generator
@@ -304,23 +304,24 @@ class Batch:
 
     # -- joining ---------------------------------------------------------------------------------------------
 
-    def _samples(self, joining: Joining | None = None) -> bool:
-        """Whether a row of the batch (or the newcomer) samples."""
+    def _stages(self, joining: Joining | None = None) -> tuple[bool, bool]:
+        """Whether a row of the batch (or the newcomer) samples, and whether one bans n-grams."""
         seated = (seat.joining for seat in self.seats.values())
-        return any(j.per_row is not None and j.per_row.do_sample for j in (*seated, *([joining] if joining else [])))
+        values = [j.per_row for j in (*seated, *([joining] if joining else [])) if j.per_row is not None]
+        return any(v.do_sample for v in values), any(v.no_repeat_ngram for v in values)
 
     def _joining_program(self, joining: Joining) -> Program | BeamProgram:
         """The program the batch runs once the newcomer has joined."""
         if joining.per_row is not None:
-            return self._per_row(sampling=self._samples(joining))
+            return self._per_row(*self._stages(joining))
         if self.seats and self.program is not None:
             return self.program
         return self._program_for(joining)
 
-    def _per_row(self, *, sampling: bool) -> Program:
-        key: tuple[object, ...] = (PER_ROW, sampling)
+    def _per_row(self, sampling: bool, ngrams: bool) -> Program:
+        key: tuple[object, ...] = (PER_ROW, sampling, ngrams)
         if self.programs.get(key) is None:
-            program = per_row_program(self.row_settings, sampling=sampling)
+            program = per_row_program(self.row_settings, sampling=sampling, ngrams=ngrams)
             self.programs.add(key, (program, self.batch_steps.stepper(program)), running=None)
         return self.programs[key][0]  # type: ignore[return-value]  # a per-row key holds a Program
 

@@ -41,11 +41,10 @@ from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
 from cachelife.serving.joint_prefill import Prefilled, joint_groups
-from cachelife.serving.preparation import candidate, prepared_joining
+from cachelife.serving.preparation import candidate, check_submitted, prepared_joining
 from cachelife.serving.requests import (
     Joining,
     Request,
-    check_request,
     check_timeout,
     hand_back,
     own_copy,
@@ -134,7 +133,7 @@ class Engine:
         config are copied: the caller may reuse its own at once."""
         check_generator(generator, self._model)
         check_timeout(timeout)
-        check_request(self._model, kwargs)
+        check_submitted(self._model, kwargs, self._batch)
         kwargs = own_copy(kwargs)
         timeout = self._timeout if timeout is None else timeout
         with self._lock:
@@ -172,7 +171,7 @@ class Engine:
         if "streamer" in kwargs:
             msg = "stream() brings its own streamer: pass streamer= to submit() or generate() instead"
             raise InvalidArgumentError(msg)
-        check_request(self._model, kwargs, streamed=True)  # before the first iteration would run anything
+        check_submitted(self._model, kwargs, self._batch, streamed=True)  # before the first iteration runs
         return tokens_as_they_come(functools.partial(self.submit, generator=generator, timeout=timeout), **kwargs)
 
     def stats(self) -> EngineStats:

@@ -17,7 +17,7 @@ from cachelife.generation.host import host_criteria
 from cachelife.generation.padding import left_padding
 from cachelife.serving.admission import Candidate
 from cachelife.serving.batch import Batch
-from cachelife.serving.requests import Joining, Request, prepared_processors
+from cachelife.serving.requests import Joining, Request, check_request, prepared_processors
 from cachelife.serving.row_settings import PerRow, per_row
 from cachelife.serving.rows import PER_ROW, program_key
 from cachelife.serving.window import fits_at_all
@@ -35,21 +35,9 @@ def prepared_joining(
         model_kwargs=model_kwargs, settings=batch.settings, vocab=batch.vocab,
     )  # fmt: skip
     max_length = int_field(config, "max_length")
-    prompt = int(input_ids.shape[1])
-    if not fits_at_all(width=batch.width, reserve=batch.reserve, prompt=prompt,
-                       remaining=max_length - prompt - 1):  # fmt: skip
-        msg = (
-            f"the request's max_length is {max_length} (prompt {prompt} + new tokens); the engine's "
-            f"max_length is {batch.max_length}: ask for fewer new tokens, or make the engine's longer"
-        )
-        raise InvalidArgumentError(msg)
+    check_length(batch, prompt=int(input_ids.shape[1]), max_length=max_length)
     beams = int_field(config, "num_beams")
-    if beams > len(batch.slots):
-        msg = (
-            f"the request asks for num_beams={beams}, which takes {beams} of the engine's rows; the engine "
-            f"has {len(batch.slots)}: ask for fewer beams, or make the engine's rows more"
-        )
-        raise InvalidArgumentError(msg)
+    check_beams(batch, beams)
     generator = request.generator
     if config.do_sample and generator is None:
         generator = torch.Generator(device=model.device).manual_seed(int(torch.randint(2**62, ())))
@@ -80,6 +68,39 @@ def prepared_joining(
         per_row=per_row_values,
         criteria=host_criteria(criteria),
     )
+
+
+def check_submitted(model: PreTrainedModel, kwargs: dict[str, Any], batch: Batch, *, streamed: bool = False) -> None:
+    """What is wrong with a request at `submit`, before any work (`requests.check_request`), and whether the
+    batch can ever hold it: its beams, and a decoder-only prompt's length and new tokens (an encoder-decoder
+    model's decoder prompt is known once `generate` prepared it, where `prepared_joining` checks it)."""
+    config = check_request(model, kwargs, streamed=streamed)
+    check_beams(batch, int_field(config, "num_beams"))
+    prompt = kwargs.get("input_ids")
+    if not model.config.is_encoder_decoder and isinstance(prompt, torch.Tensor):
+        new, length = config.max_new_tokens, int(prompt.shape[1])
+        max_length = length + new if isinstance(new, int) else int_field(config, "max_length")
+        check_length(batch, prompt=length, max_length=max_length)
+
+
+def check_beams(batch: Batch, beams: int) -> None:
+    """`InvalidArgumentError` for a request of more beams than the batch has rows."""
+    if beams > len(batch.slots):
+        msg = (
+            f"the request asks for num_beams={beams}, which takes {beams} of the engine's rows; the engine "
+            f"has {len(batch.slots)}: ask for fewer beams, or make the engine's rows more"
+        )
+        raise InvalidArgumentError(msg)
+
+
+def check_length(batch: Batch, *, prompt: int, max_length: int) -> None:
+    """`InvalidArgumentError` for a request whose prompt and new tokens pass the engine's `max_length`."""
+    if not fits_at_all(width=batch.width, reserve=batch.reserve, prompt=prompt, remaining=max_length - prompt - 1):
+        msg = (
+            f"the request's max_length is {max_length} (prompt {prompt} + new tokens); the engine's "
+            f"max_length is {batch.max_length}: ask for fewer new tokens, or make the engine's longer"
+        )
+        raise InvalidArgumentError(msg)
 
 
 def candidate(joining: Joining) -> Candidate:

@@ -1,6 +1,6 @@
 """The programs an engine's batch keeps: a bounded cache, the least recently used dropped first.
 
-A program is what one compiled step (and its captured graphs) runs: the per-row pipeline's two variants, which
+A program is what one compiled step (and its captured graphs) runs: the per-row pipeline's variants, which
 every everyday request shares and which are always kept, and programs of their own (a request whose processors
 are not all row values, a beam search), of which at most `KEPT_PROGRAMS` are kept. Dropping one drops the
 batch's step for it and its beam state; its graphs stay in the model's runtime, which keeps the most recently

@@ -83,9 +83,10 @@ class Joining:
         return int(self.input_ids.shape[1])
 
 
-def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: bool = False) -> None:
+def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: bool = False) -> GenerationConfig:
     """What is wrong with a request before any work: `InvalidArgumentError` or `UnsupportedGenerationError`;
-    `streamed` says that its tokens go to a streamer (a `streamer=` in `kwargs` says so too)."""
+    `streamed` says that its tokens go to a streamer (a `streamer=` in `kwargs` says so too). Returns the
+    generation config `generate` will merge for it."""
     ours = sorted(name for name in ENGINE_SETTINGS if name in kwargs)
     if ours:
         msg = f"{', '.join(ours)} are the engine's settings (Engine(model, ...)), not a request's"
@@ -112,10 +113,30 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if (streamed or kwargs.get("streamer") is not None) and int_field(config, "num_beams") > 1:
         msg = f"a beam search (num_beams={int_field(config, 'num_beams')}) streams no tokens: transformers refuses it"
         raise InvalidArgumentError(msg)
-    feature = unsupported_argument(kwargs) or unsupported_config(config) or host_stops_with_beams(kwargs, config)
+    feature = (
+        unsupported_argument(kwargs)
+        or unsupported_config(config)
+        or unsupported_by_rows(config)
+        or host_stops_with_beams(kwargs, config)
+    )
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
         raise UnsupportedGenerationError(msg)
+    return config
+
+
+def unsupported_by_rows(config: GenerationConfig) -> str | None:
+    """What a request's generation config asks that the engine's rows do not decode, named as the user sets it
+    (`generate` may set more in the request's thread: Whisper's fallback asks for scores)."""
+    if getattr(config, "return_dict_in_generate", False):
+        return "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
+    sequences = int_field(config, "num_return_sequences")
+    if sequences > 1 and int_field(config, "num_beams") == 1:
+        return f"num_return_sequences={sequences} without beam search (submit one request per sequence)"
+    for name in ("bad_words_ids", "sequence_bias", "encoder_no_repeat_ngram_size"):
+        if getattr(config, name, None):
+            return f"{name} (its rule reads one length for the whole batch)"
+    return None
 
 
 def host_stops_with_beams(kwargs: dict[str, Any], config: GenerationConfig) -> str | None:
@@ -182,24 +203,23 @@ def prepared_processors(
     """The request's processors as the engine's step runs them, or `UnsupportedGenerationError` naming what
     the engine does not decode (what `generate` prepared, read in its thread)."""
     beams = int_field(config, "num_beams")
-    if getattr(config, "return_dict_in_generate", False):
-        reason: str | None = "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
-    elif int(input_ids.shape[0]) != beams:
+    reason = unsupported_by_rows(config)
+    if reason is None and int(input_ids.shape[0]) != beams:
         reason = (
             f"{int(input_ids.shape[0])} sequences for one request of {beams} beam(s) (num_return_sequences "
             "without beam search, or Whisper's)"
         )
-    else:
-        reason = (
-            unsupported_criterion(criteria, config)
-            or unsupported_processor(processors)
-            or unsupported_prompt(model, model_kwargs)
-            or unsupported_window(model, config, settings)
-        )
+    reason = (
+        reason
+        or unsupported_criterion(criteria, config)
+        or unsupported_processor(processors)
+        or unsupported_prompt(model, model_kwargs)
+        or unsupported_window(model, config, settings)
+    )
     converted: tuple[TensorProcessor, ...] = ()
     if reason is None:
         converted = tensor_processors(processors, vocab_size=vocab, device=model.device)
-        reason = unsupported_for_rows(converted)
+        reason = unsupported_for_rows(converted, processors)
     if reason is not None:
         msg = f"the engine does not decode {reason}; call cachelife.generate for this request"
         raise UnsupportedGenerationError(msg)

@@ -8,6 +8,7 @@ settings are per-row tensors (`RowSettings`), written when a request joins its r
 | stage (transformers' processor)          | per-row value                                   | off            |
 |------------------------------------------|-------------------------------------------------|----------------|
 | RepetitionPenaltyLogitsProcessor         | penalty; left padding the penalty skips         | penalty 1      |
+| NoRepeatNGramLogitsProcessor             | n-gram size, up to `row_ngrams.LONGEST_NGRAM`    | 0              |
 | MinLengthLogitsProcessor                 | minimum length (end tokens: the row's own)      | 0              |
 | MinNewTokensLengthLogitsProcessor        | minimum new tokens, prompt length               | 0              |
 | ForcedBOSTokenLogitsProcessor            | token                                           | at length -1   |
@@ -25,11 +26,11 @@ settings are per-row tensors (`RowSettings`), written when a request joins its r
 plus, for picking the token: sampling or not, the end tokens (a vocabulary mask) and the pad token. Each stage
 computes what transformers' processor computes, one row's arithmetic per row; a row that has the stage off
 keeps its scores as they were (`torch.where`), bit for bit. A request whose list holds anything else (a custom
-processor, Whisper's timestamp rules, n-gram bans, an order of its own) is not `PerRow`: it runs a program of
+processor, Whisper's timestamp rules, bad words, an order of its own) is not `PerRow`: it runs a program of
 its own (`rows.Program`), as before.
 
-Two variants of the pipeline share the same tensors: with the sampling stages (when a row samples) and
-without (greedy rows only); the batch picks one at each step boundary.
+Variants of the pipeline share the same tensors: with or without the sampling stages (run while a row samples)
+and the n-gram bans (while a row bans n-grams); the batch picks one at each step boundary.
 """
 
 from __future__ import annotations
@@ -45,21 +46,10 @@ from transformers.generation import logits_process as lp
 from cachelife.generation.greedy import append
 from cachelife.generation.penalties import OccurrencePenalty, occurrence_penalised
 from cachelife.generation.tensor_processors import repetition_penalised
+from cachelife.serving.cumulative_sum import cumulative_sum
+from cachelife.serving.row_ngrams import LONGEST_NGRAM, banned_ngrams
 
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
-
-
-@torch.library.custom_op("cachelife::cumulative_sum", mutates_args=())
-def cumulative_sum(values: torch.Tensor) -> torch.Tensor:
-    """`values.cumsum(dim=-1)` as torch's own kernel computes it, also within a compiled step: inductor's scan of a
-    (rows, vocabulary) tensor fails to generate on CUDA (torch 2.11), and the kernel's sums are eager
-    transformers' sums."""
-    return values.cumsum(dim=-1)
-
-
-@cumulative_sum.register_fake
-def _(values: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(values)
 
 
 @frozen(kw_only=True)
@@ -71,6 +61,7 @@ class PerRow:
     pad: int
     repetition_penalty: float = 1.0
     repetition_ignore: int = 0
+    no_repeat_ngram: int = 0
     min_length: int = 0
     min_new_tokens: int = 0
     prompt_length: int = 0
@@ -95,6 +86,7 @@ class PerRow:
 # The stages in transformers' order: a request's processors must appear in this order, each at most once.
 _ORDER: tuple[type[lp.LogitsProcessor], ...] = (
     lp.RepetitionPenaltyLogitsProcessor,
+    lp.NoRepeatNGramLogitsProcessor,
     lp.MinLengthLogitsProcessor,
     lp.MinNewTokensLengthLogitsProcessor,
     lp.ForcedBOSTokenLogitsProcessor,
@@ -164,6 +156,11 @@ def _values(processor: lp.LogitsProcessor, eos: tuple[int, ...]) -> dict[str, ob
                 return "a RepetitionPenaltyLogitsProcessor of several rows"
             return {"repetition_penalty": float(processor.penalty),
                     "repetition_ignore": skipped if isinstance(skipped, int) else skipped[0]}  # fmt: skip
+        case lp.NoRepeatNGramLogitsProcessor():
+            size = int(processor.ngram_size)
+            if size > LONGEST_NGRAM:
+                return f"a NoRepeatNGramLogitsProcessor of {size}-grams (the rows ban up to {LONGEST_NGRAM})"
+            return {"no_repeat_ngram": size}
         case lp.MinLengthLogitsProcessor():
             if _ids(processor.eos_token_id) != eos:
                 return "a MinLengthLogitsProcessor whose end tokens are not the request's"
@@ -207,6 +204,7 @@ class RowSettings:
     pad: torch.Tensor  # (rows,) long
     penalty: torch.Tensor  # (rows, 1) float32
     ignore: torch.Tensor  # (rows,) long
+    ngram: torch.Tensor  # (rows, 1) long: 0 where off
     min_length: torch.Tensor  # (rows, 1) long
     min_new_tokens: torch.Tensor  # (rows, 1) long
     prompt_length: torch.Tensor  # (rows, 1) long
@@ -248,6 +246,7 @@ class RowSettings:
             pad=flat(long),
             penalty=column(real),
             ignore=flat(long),
+            ngram=column(long),
             min_length=column(long),
             min_new_tokens=column(long),
             prompt_length=column(long),
@@ -289,6 +288,7 @@ class RowSettings:
         self.pad[row] = values.pad
         self.penalty[row] = values.repetition_penalty
         self.ignore[row] = values.repetition_ignore
+        self.ngram[row] = values.no_repeat_ngram
         self.min_length[row] = values.min_length
         self.min_new_tokens[row] = values.min_new_tokens
         self.prompt_length[row] = values.prompt_length
@@ -325,13 +325,16 @@ def _mask(row: torch.Tensor, ids: tuple[int, ...]) -> None:
 
 
 def process(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor, *,
-            sampling: bool) -> torch.Tensor:  # fmt: skip
+            sampling: bool, ngrams: bool = False) -> torch.Tensor:  # fmt: skip
     """Every row's scores (rows, vocab; float32) through the pipeline with its own values; `length` (rows, 1)
-    is each row's token count. Without `sampling`, the sampling stages are left out (no row samples)."""
+    is each row's token count. Without `sampling` the sampling stages are left out (no row samples), without
+    `ngrams` the n-gram bans (no row bans n-grams)."""
     s = settings
     inf = -math.inf
     penalised = repetition_penalised(tokens, length, scores, s.penalty, s.ignore)
     scores = torch.where(s.penalty != 1.0, penalised, scores)
+    if ngrams:
+        scores = torch.where(banned_ngrams(tokens, length, s.ngram, scores.shape[-1]), inf, scores)
     scores = torch.where(s.eos & (length < s.min_length), inf, scores)
     scores = torch.where(s.eos & (length - s.prompt_length < s.min_new_tokens), inf, scores)
     ids = torch.arange(scores.shape[-1], device=scores.device)[None, :]

@@ -33,6 +33,7 @@ from cachelife.generation.processors import Called, TensorProcessor
 from cachelife.generation.tensor_processors import (
     ForceAt,
     NoEosBefore,
+    NoRepeatNGram,
     RepetitionPenalty,
     SuppressAtBegin,
     WhisperTimestamps,
@@ -51,7 +52,16 @@ ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
 PER_ROW: Final = "per-row"
 # Processors the engine's per-row step runs: those that read only the scores, and the tensor processors whose
 # arithmetic holds with one length per row.
-_ROW_SAFE: Final = (Called, SuppressAtBegin, NoEosBefore, ForceAt, RepetitionPenalty, Occurrences, WhisperTimestamps)
+_ROW_SAFE: Final = (
+    Called,
+    SuppressAtBegin,
+    NoEosBefore,
+    ForceAt,
+    RepetitionPenalty,
+    Occurrences,
+    WhisperTimestamps,
+    NoRepeatNGram,
+)
 
 
 @frozen(kw_only=True)
@@ -130,7 +140,8 @@ class Rows:
 class Program:
     """The processors of a batch and how it picks tokens; `rows` are the per-row tensors of its processors'
     `ROW_FIELDS`, (rows, 1) each, in the order `row_values` lists them. A program of the per-row pipeline has
-    `settings` instead (and no processors): `do_sample` then says whether it runs the sampling stages."""
+    `settings` instead (and no processors): `do_sample` then says whether it runs the sampling stages, `ngrams`
+    whether it runs the n-gram bans."""
 
     key: tuple[object, ...]
     processors: tuple[TensorProcessor, ...]
@@ -139,12 +150,14 @@ class Program:
     eos: torch.Tensor | None
     pad: int
     settings: RowSettings | None = None
+    ngrams: bool = False
 
 
-def per_row_program(settings: RowSettings, *, sampling: bool) -> Program:
+def per_row_program(settings: RowSettings, *, sampling: bool, ngrams: bool) -> Program:
     return Program(
-        key=(PER_ROW, sampling), processors=(), rows=(), do_sample=sampling, eos=None, pad=0, settings=settings
-    )
+        key=(PER_ROW, sampling, ngrams), processors=(), rows=(), do_sample=sampling, eos=None, pad=0,
+        settings=settings, ngrams=ngrams,
+    )  # fmt: skip
 
 
 def shares_batch(key: tuple[object, ...], other: tuple[object, ...]) -> bool:
@@ -153,11 +166,12 @@ def shares_batch(key: tuple[object, ...], other: tuple[object, ...]) -> bool:
     return key == other or (key[0] == PER_ROW and other[0] == PER_ROW)
 
 
-def unsupported_for_rows(converted: Sequence[TensorProcessor]) -> str | None:
-    for processor in converted:
-        if not isinstance(processor, _ROW_SAFE):
-            name = type(getattr(processor, "processor", processor)).__name__
-            return f"{name} in an engine (its rule reads one length for the whole batch)"
+def unsupported_for_rows(converted: Sequence[TensorProcessor], processors: Sequence[object]) -> str | None:
+    """Why the rows cannot run `converted` (`processors`, transformers', converted one by one), naming the
+    processor; None if they can."""
+    for made, processor in zip(converted, processors, strict=True):
+        if not isinstance(made, _ROW_SAFE):
+            return f"a {type(processor).__name__} in an engine (its rule reads one length for the whole batch)"
     return None
 
 
@@ -233,7 +247,8 @@ def choose(
     running = rows.running() if among is None else rows.running() & among
     length = rows.length[:, None]
     if program.settings is not None:
-        scores = process(program.settings, rows.tokens, length, logits, sampling=program.do_sample)
+        scores = process(program.settings, rows.tokens, length, logits, sampling=program.do_sample,
+                         ngrams=program.ngrams)  # fmt: skip
         pick(program.settings, rows.tokens, rows.length, rows.unfinished, scores, noise=noise, running=running,
              sampling=program.do_sample)  # fmt: skip
         return

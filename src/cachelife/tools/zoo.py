@@ -311,7 +311,7 @@ def build(
 
 def mixed_settings() -> list[dict[str, Any]]:
     """Everyday generation settings, one per request: greedy and sampling, penalties, suppressed tokens, minimum
-    lengths, end tokens of their own (the engine decodes them together, each as values in its row)."""
+    lengths, end tokens of their own, n-gram bans (the engine decodes them together, each as values in its row)."""
     return [
         {},
         {"repetition_penalty": 1.3},
@@ -322,6 +322,8 @@ def mixed_settings() -> list[dict[str, Any]]:
         {"do_sample": True, "typical_p": 0.9, "top_k": 0},
         {"suppress_tokens": [3, 5, 7], "min_new_tokens": 4, "eos_token_id": [4, 9]},
         {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "begin_suppress_tokens": [1, 2]},
+        {"no_repeat_ngram_size": 2},
+        {"do_sample": True, "temperature": 0.8, "top_k": 0, "no_repeat_ngram_size": 3, "repetition_penalty": 1.1},
     ]
 
 

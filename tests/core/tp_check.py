@@ -1,6 +1,6 @@
 """Tensor parallelism check: cachelife with transformers' own TP, against one-process eager generation.
 
-    PYTHONPATH=src torchrun --nproc-per-node 2 bench/tp_check.py --out DIR [--device cuda|cpu]
+    PYTHONPATH=src torchrun --nproc-per-node 2 tests/core/tp_check.py --out DIR [--device cuda|cpu]
 
 Every rank builds the same zoo model (seeded), saves it and computes eager dynamic-cache tokens on its own
 device without TP (the one-device reference); then it loads the saved weights with
