@@ -123,14 +123,14 @@ def test_a_cancelled_beam_request_frees_its_group_for_the_next() -> None:
         first.result()
 
 
-def test_more_beams_than_rows_fail_the_request_by_name() -> None:
+def test_more_beams_than_rows_are_refused_at_submit_by_name() -> None:
     llama = build("llama")
     with Engine(llama.model, rows=2, max_length=16, compile_step=False) as engine:
-        future = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=4, num_beams=3)
         with pytest.raises(
             InvalidArgumentError, match="num_beams=3, which takes 3 of the engine's rows; the engine has 2"
         ):
-            future.result(timeout=120)
+            engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=4, num_beams=3)
+        assert engine.stats().held == 0
 
 
 def test_per_input_searches_stop_alone_and_one_search_stops_for_all() -> None:
