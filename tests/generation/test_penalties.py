@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
 from transformers.generation.logits_process import LogitsProcessorList
 
-import cachelife
 from cachelife.errors import InvalidArgumentError
 from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
+from support import alone
 
 
 @pytest.mark.parametrize(("presence", "frequency", "prompt_length"), [(0.5, 0.0, 3), (0.0, 1.25, 0), (-0.7, 0.4, 5)])
@@ -46,12 +45,6 @@ def test_each_score_loses_the_penalties_of_its_tokens_generated_after_the_prompt
 def test_bad_penalties_are_refused_naming_the_value(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         OccurrencePenalty(**arguments)
-
-
-def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
-    tokens = cachelife.generate(model, compile_step=False, fallback=False, **kwargs)
-    assert isinstance(tokens, torch.Tensor)
-    return tokens
 
 
 def penalised(presence: float, frequency: float, prompt: int) -> LogitsProcessorList:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel
+from transformers import MistralConfig, MistralForCausalLM
 
 import cachelife
 from cachelife.errors import (
@@ -31,6 +31,7 @@ from cachelife.serving.row_ngrams import LONGEST_NGRAM
 from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
+from support import alone, until
 
 
 def build(name: str) -> zoo.ZooModel:
@@ -43,12 +44,6 @@ def build(name: str) -> zoo.ZooModel:
 @pytest.fixture(scope="module")
 def llama() -> zoo.ZooModel:
     return build("llama")
-
-
-def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
-    tokens = cachelife.generate(model, fallback=False, compile_step=False, **kwargs)
-    assert isinstance(tokens, torch.Tensor)
-    return tokens
 
 
 def requests_of(built: zoo.ZooModel, count: int) -> Iterator[dict[str, Any]]:
@@ -277,7 +272,7 @@ def test_a_failing_streamer_fails_its_request_alone(llama: zoo.ZooModel) -> None
         with pytest.raises(RuntimeError, match="the client went away"):
             failing.result(timeout=120)
         assert torch.equal(other.result(timeout=120), alone(llama.model, **steady))
-        _until(lambda: engine.stats().held == 0 and engine.stats().decoding == 0)
+        until(lambda: engine.stats().held == 0 and engine.stats().decoding == 0)
 
 
 def test_requests_of_other_settings_wait_for_their_own_batch(llama: zoo.ZooModel) -> None:
@@ -380,11 +375,11 @@ def test_a_cancelled_request_leaves_its_row(llama: zoo.ZooModel) -> None:
     short = {**llama.inputs(1, 5, 1), "max_new_tokens": 3}
     with Engine(llama.model, rows=1, max_length=256, compile_step=False) as engine:
         first = engine.submit(**long)
-        _until(lambda: engine.stats().decoding == 1)
+        until(lambda: engine.stats().decoding == 1)
         assert first.cancel()
         second = engine.submit(**short)
         assert torch.equal(second.result(timeout=120), alone(llama.model, **short))
-        _until(lambda: engine.stats().held == 0)
+        until(lambda: engine.stats().held == 0)
         assert engine.stats().decoding == 0
     with pytest.raises(CancelledError):
         first.result()
@@ -394,7 +389,7 @@ def test_a_request_past_its_timeout_fails_with_a_timeout(llama: zoo.ZooModel) ->
     # The only row is busy for a few hundred steps: the late request is still waiting at its first check.
     with Engine(llama.model, rows=1, max_length=256, compile_step=False) as engine:
         blocking = engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=250, min_new_tokens=250)
-        _until(lambda: engine.stats().decoding == 1)
+        until(lambda: engine.stats().decoding == 1)
         late = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=4, timeout=0.01)
         with pytest.raises(RequestTimeoutError, match=r"timeout of 0\.01 s"):
             late.result(timeout=120)
@@ -416,9 +411,9 @@ def test_close_fails_what_waits_and_finishes_what_decodes(llama: zoo.ZooModel) -
     long = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200}  # no early end
     engine = Engine(llama.model, rows=1, max_length=256, compile_step=False)
     decoding = engine.submit(**long)
-    _until(lambda: engine.stats().decoding == 1)
+    until(lambda: engine.stats().decoding == 1)
     waiting = engine.submit(**llama.inputs(1, 4, 1), max_new_tokens=4)
-    _until(lambda: engine.stats().waiting == 1)
+    until(lambda: engine.stats().waiting == 1)
     engine.close()
     assert torch.equal(decoding.result(timeout=60), alone(llama.model, **long))
     with pytest.raises(EngineClosedError, match="before the request got a row"):
@@ -509,14 +504,6 @@ def test_engine_sizes_past_the_models_positions_or_the_devices_memory_are_refuse
         Engine(t5, max_length=10**9, encoder_length=16, compile_step=False)
 
 
-def _until(condition: Any, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail("the engine did not get there in time")
-        time.sleep(0.01)
-
-
 def test_a_failure_after_the_prefill_fails_the_batch_and_the_engine_goes_on(
     llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -535,7 +522,7 @@ def test_a_failure_after_the_prefill_fails_the_batch_and_the_engine_goes_on(
         with pytest.raises(RuntimeError, match="a copy failed"):
             engine.submit(**llama.inputs(1, 4, 0), max_new_tokens=3).result(timeout=60)
         assert torch.equal(engine.submit(**later).result(timeout=60), alone(llama.model, **later))
-        _until(lambda: engine.stats().held == 0)
+        until(lambda: engine.stats().held == 0)
 
 
 @pytest.mark.slow
@@ -679,7 +666,7 @@ def test_close_without_waiting_leaves_no_thread_behind(llama: zoo.ZooModel) -> N
     started = set(threading.enumerate()) - before  # the scheduler, a request thread, the deadlines' watch
     assert len(started) >= 2
     engine.close(wait=False)
-    _until(lambda: not any(thread.is_alive() for thread in started), seconds=30)
+    until(lambda: not any(thread.is_alive() for thread in started), seconds=30)
 
 
 @pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -3,8 +3,6 @@ transformers' own beam search for it alone (fp32)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -18,6 +16,7 @@ from cachelife.serving.beam_groups import build_beam_program, start_group
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
+from support import until
 
 
 def build(name: str) -> zoo.ZooModel:
@@ -98,27 +97,19 @@ def test_beam_sampling_with_a_seed_equals_generate_with_that_seed() -> None:
         assert torch.equal(result, expected), seed
 
 
-def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail("the engine did not get there in time")
-        time.sleep(0.01)
-
-
 def test_a_cancelled_beam_request_frees_its_group_for_the_next() -> None:
     llama = build("llama")
     long = {**llama.inputs(1, 4, 0), "max_new_tokens": 200, "min_new_tokens": 200, "num_beams": 2}
     short = {**llama.inputs(1, 5, 1), "max_new_tokens": 5, "num_beams": 2}
     with Engine(llama.model, rows=2, max_length=256, compile_step=False) as engine:
         first = engine.submit(**long)
-        _until(lambda: engine.stats().decoding == 1)
+        until(lambda: engine.stats().decoding == 1)
         assert first.cancel()
         second = engine.submit(**short)
         expected = llama.model.generate(**short)
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(second.result(timeout=120), expected)
-        _until(lambda: engine.stats().held == 0)
+        until(lambda: engine.stats().held == 0)
     with pytest.raises(CancelledError):
         first.result()
 

@@ -11,10 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-import cachelife
 from cachelife.errors import EngineClosedError, UnsupportedGenerationError
 from cachelife.serving import preparation
 from cachelife.serving import requests as request_checks
@@ -24,25 +22,12 @@ from cachelife.serving.rows import Rows
 from cachelife.serving.snapshots import Snapshot, Snapshots
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
+from support import alone, until
 
 
 @pytest.fixture(scope="module")
 def llama() -> zoo.ZooModel:
     return zoo.build("llama")
-
-
-def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
-    tokens = cachelife.generate(model, compile_step=False, **kwargs)
-    assert isinstance(tokens, torch.Tensor)
-    return tokens
-
-
-def until(condition: Any, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail("the engine did not get there in time")
-        time.sleep(0.01)
 
 
 class Gate:
