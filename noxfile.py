@@ -1,13 +1,13 @@
 """nox sessions. `nox` runs the default set:
 
-- `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers.
-  On the newest, in the same environment: the slow tests too (compiled models, long loops; a slow test's
-  further model families, marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels
+- `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers. On the
+  newest, in the same environment: the slow tests too (compiled models, long loops; a slow test's further model
+  families and a few long tests, marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels
   in Triton's CPU interpreter (`TRITON_INTERPRET=1`), in the same pytest run; then mypy --strict and the
   documentation site (warnings as errors), which `typecheck` and `docs` run alone. Two pytest-xdist workers
   (`CACHELIFE_TEST_WORKERS`), each on one thread (`OMP_NUM_THREADS=1`) and compiling in its own process
-  (`TORCHINDUCTOR_COMPILE_THREADS=1`); and the planted-bug runs (`planted`, quick): the kernel tests against
-  copies of the source with one bug each;
+  (`TORCHINDUCTOR_COMPILE_THREADS=1`); and the planted-bug runs (`planted`, quick): the kernel tests against copies
+  of the source with one bug each;
 - `lint`: ruff.
 
 `nox -s slow` runs the slow tests alone, every family; `nox -s full` runs the whole CPU suite on both
@@ -44,7 +44,7 @@ TRANSFORMERS = ["5.17.0", "5.25.0"]
 # requirements are installed) and the newer requirements listed with it.
 OVER = {"5.25.0": ("5.24.0", ("huggingface-hub>=2.4.0,<3.0",))}
 FAST = "not slow and not gpu"
-# The default run's slow tests on the newest transformers: all but their further model families (`exhaustive`).
+# The default run's slow tests on the newest transformers: all but the `exhaustive` ones (further families, long tests).
 CI = "not gpu and not exhaustive"
 # pytest-xdist workers for the CPU suite, which is mostly compilation: one per core of a 2-core CI machine.
 # Tests that share one Ray instance run on one worker (`xdist_group`, `--dist loadgroup`).

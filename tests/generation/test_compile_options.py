@@ -28,6 +28,7 @@ def recorded_compilations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any
     return compiled_with
 
 
+@pytest.mark.slow
 def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     built = zoo.build("t5")
     inputs = built.inputs(2, 9, 1)
@@ -49,6 +50,7 @@ def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.Mo
     assert all(options["emulate_precision_casts"] is True for options in compiled_with)
 
 
+@pytest.mark.slow
 def test_an_enabled_models_options_compile_its_steps_unless_the_call_passes_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -89,6 +89,7 @@ WHISPER: dict[str, Any] = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("recorded")
 def test_greedy_graph_is_reused_with_the_settings_of_each_call() -> None:
     built = whisper()

@@ -17,6 +17,7 @@ from cachelife.tools import zoo
 SETTINGS: list[dict[str, Any]] = [{}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}]
 
 
+@pytest.mark.slow
 def test_more_settings_and_models_than_the_recompile_limit_decode_as_generate() -> None:
     models = [zoo.build("t5"), zoo.build("llama")]
     # Two entries per code object: without code objects of their own, the third step traced raises

@@ -224,6 +224,7 @@ def cache_counts(result: dict[str, Any]) -> dict[str, int]:
     }
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_artifacts_saved_in_one_process_warm_another_with_an_empty_cache(tmp_path: Path) -> None:
     artifacts = tmp_path / "t5.artifacts"

@@ -111,6 +111,7 @@ def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("stand_in_graphs")
 def test_graphs_of_several_steps_keep_every_row_on_its_own_draws(llama: zoo.ZooModel) -> None:
     # A graph's first call runs one step, its replays three: each sampling row's k-th token still uses its
@@ -591,7 +592,9 @@ def left_padded_requests(built: zoo.ZooModel) -> list[dict[str, Any]]:
     return requests
 
 
-@pytest.mark.parametrize("compile_step", [False, True], ids=["eager-step", "compiled-step"])
+@pytest.mark.parametrize(
+    "compile_step", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager-step", "compiled-step"]
+)
 def test_left_padded_prompts_decode_as_generate_decodes_them(llama: zoo.ZooModel, compile_step: bool) -> None:
     """Each row's positions count from its first token and its mask leaves its pads out, as `generate`'s
     (before, positions counted from the row's start and the pads were attended: other tokens from the fourth
