@@ -135,6 +135,14 @@ _ENTRIES = (
         "cuda", "serving-load-llama-3.2-1b-engine-cuda-*.json",
     ),
     Benchmark(
+        "decode-attention", "bench.decode_attention", ("--device", "cuda", "--dtype", "bfloat16"),
+        "cachelife's decode attention kernel against SDPA, one call at the engine's shapes (whisper-large-v3's "
+        "cross- and self-attention, the Llama-3.2-1B shape's grouped-query attention; 1 and 16 rows), bf16, "
+        "device time per call in CUDA graphs: the op's own plan and a sweep of splits, tile lengths and warps, "
+        "each within SDPA's distance from the float32 reference",
+        "cuda", "decode-attention-cuda-*.json",
+    ),
+    Benchmark(
         "planted-bugs-cuda", "bench.planted_bugs",
         ("--device", "cuda", "--workers", "4", "--pytest-workers", "2", "--select", "not compiled_step_captures"),
         "the kernels' and the repeatability's GPU tests against copies of the source with one planted bug each "

@@ -36,6 +36,7 @@ from cachelife.kernels.attention import (
     attention_combine_kernel,
     attention_split_kernel,
     decode_attention,
+    launch_plan,
     plan_splits,
     reference_decode_attention,
 )
@@ -218,6 +219,23 @@ def test_tiles_the_mask_excludes_are_not_read() -> None:
         assert_float32_close(output, expected)
 
 
+@needs_triton
+@pytest.mark.parametrize("mask_kind", [None, "bool"])
+def test_every_launch_a_benchmark_sweeps_equals_a_plain_softmax(mask_kind: str | None) -> None:
+    """bench.decode_attention times plans other than the op's own (splits, tile length, warps, the per-tile skip
+    on or off): each computes the same attention."""
+    case = Case("", 2, 4, 2, 300, 16, mask_kind, 1, 1)
+    query, key, value, mask = case.inputs()
+    for splits, block_n, skip in [(1, 32, None), (3, 64, True), (5, 16, False), (2, 128, None)]:
+        plan = plan_splits(
+            batch=2, kv_heads=2, group=2, positions=300, key_dim=16, value_dim=16, programs=1, splits=splits,
+            block_n=block_n,
+        )  # fmt: skip
+        assert plan.block_n == block_n
+        output = launch_plan(query, key, value, mask, scale=16**-0.5, plan=plan, num_warps=2, skip_empty=skip)
+        check_close(output, case)
+
+
 def test_kernels_compile_for_a_gpu_without_one(tmp_path: Path) -> None:
     """Triton's compiler checks what its interpreter does not (every name a kernel reads, its annotations
     included): both kernels compile to code for an H100-class GPU (sm_90) on this machine, which needs none.
@@ -240,7 +258,8 @@ def compile_kernels() -> None:
     ]  # fmt: skip
     for group, mask, final, dtype in variants:
         blocks = {"BLOCK_G": 4 if group > 1 else 1, "BLOCK_N": 32, "BLOCK_DK": 64, "BLOCK_DV": 64}
-        constants = {"GROUP": group, "KEY_DIM": 64, "VALUE_DIM": 64, **blocks, "MASK": mask, "FINAL": final}
+        constants = {"GROUP": group, "KEY_DIM": 64, "VALUE_DIM": 64, **blocks, "MASK": mask, "FINAL": final,
+                     "SKIP_EMPTY": mask != 0}  # fmt: skip
         pointers = dict.fromkeys(("query", "key", "value", "out"), f"*{dtype}") | partials
         pointers["mask"] = "*u8" if mask == 1 else f"*{dtype}"
         compile_kernel(compiler, jit(attention_split_kernel), target, constants, pointers)

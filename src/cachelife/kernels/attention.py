@@ -62,10 +62,12 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
     o_sb: Scalar, o_sh: Scalar, o_sd: Scalar,
     GROUP: constexpr, KEY_DIM: constexpr, VALUE_DIM: constexpr,
     BLOCK_G: constexpr, BLOCK_N: constexpr, BLOCK_DK: constexpr, BLOCK_DV: constexpr,
-    MASK: constexpr, FINAL: constexpr,
+    MASK: constexpr, FINAL: constexpr, SKIP_EMPTY: constexpr,
 ) -> None:  # fmt: skip
     """Phase 1, in Triton's language: one (batch, key/value head, split). With one split (FINAL) it writes the
-    output itself. MASK is 0 (none), 1 (bool, nonzero attends) or 2 (added to the scores)."""
+    output itself. MASK is 0 (none), 1 (bool, nonzero attends) or 2 (added to the scores). SKIP_EMPTY tests each
+    tile for a live position before reading it (a branch in the loop, which keeps the compiler from pipelining
+    the loads): worth it where a mask can empty whole tiles; without one, a tile past the cache reads nothing."""
     kv_heads = heads // GROUP
     batch = (tl.program_id(0) // kv_heads).to(tl.int64)
     kv_head = (tl.program_id(0) % kv_heads).to(tl.int64)
@@ -92,7 +94,10 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
             else:
                 bias = bias.to(tl.float32)
                 live = live & (bias > float("-inf"))
-        if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+        visit = True
+        if SKIP_EMPTY:
+            visit = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0
+        if visit:
             k_in = n_in[:, None] & (dk < KEY_DIM)[None, :]
             k = tl.load(keys + n[:, None] * k_sp + dk[None, :] * k_sd, mask=k_in, other=0.0).to(tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
@@ -165,14 +170,16 @@ class SplitPlan:
 
 def plan_splits(
     *, batch: int, kv_heads: int, group: int, positions: int, key_dim: int, value_dim: int, programs: int,
-    splits: int | None = None,
+    splits: int | None = None, block_n: int | None = None,
 ) -> SplitPlan:  # fmt: skip
     """The plan for these static shapes: as many splits as bring the programs of phase 1 to `programs` (or
-    `splits` if given), at most one per tile and `MAX_SPLITS`, then as few as keep the same tiles per split."""
+    `splits` if given), at most one per tile and `MAX_SPLITS`, then as few as keep the same tiles per split.
+    Tiles hold `block_n` positions (a power of two) if given, else as many as fit `_TILE_ELEMENTS`."""
     block_g = power_of_two_at_least(group)
     block_dk, block_dv = power_of_two_at_least(key_dim), power_of_two_at_least(value_dim)
-    fit = _TILE_ELEMENTS // (block_g * max(block_dk, block_dv))
-    block_n = min(max(1 << max(fit, 1).bit_length() - 1, 16), 128)
+    if block_n is None:
+        fit = _TILE_ELEMENTS // (block_g * max(block_dk, block_dv))
+        block_n = min(max(1 << max(fit, 1).bit_length() - 1, 16), 128)
     tiles = math.ceil(positions / block_n)
     wanted = splits if splits is not None else math.ceil(programs / (batch * kv_heads))
     tiles_per_split = math.ceil(tiles / min(max(wanted, 1), tiles, MAX_SPLITS))
@@ -256,14 +263,25 @@ def _triton_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scale: float, splits: int
 ) -> torch.Tensor:
     batch, heads, _, key_dim = query.shape
+    plan = plan_splits(
+        batch=batch, kv_heads=key.shape[1], group=heads // key.shape[1], positions=key.shape[2], key_dim=key_dim,
+        value_dim=value.shape[3], programs=_programs(query.device), splits=splits or None,
+    )  # fmt: skip
+    return launch_plan(query, key, value, mask, scale=scale, plan=plan)
+
+
+def launch_plan(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scale: float,
+    plan: SplitPlan, num_warps: int = LAUNCH["num_warps"], skip_empty: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The Triton kernels on checked inputs, cut as `plan` says, with `num_warps` per program; `skip_empty` (by
+    default: whether there is a mask) tests each tile for a live position before reading it. The op launches
+    this with its own plan; benchmarks compare others (bench/decode_attention.py)."""
+    batch, heads, _, key_dim = query.shape
     kv_heads, positions, value_dim = key.shape[1], key.shape[2], value.shape[3]
     out = torch.empty((batch, heads, 1, value_dim), dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
-    plan = plan_splits(
-        batch=batch, kv_heads=kv_heads, group=heads // kv_heads, positions=positions, key_dim=key_dim,
-        value_dim=value_dim, programs=_programs(query.device), splits=splits or None,
-    )  # fmt: skip
     if mask is None:
         mask_kind, mask_arg, mask_strides = _NO_MASK, query, (0, 0, 0)
     else:
@@ -277,6 +295,7 @@ def _triton_decode_attention(
     part_max = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
     part_sum = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
     out_strides = (out.stride(0), out.stride(1), out.stride(3))
+    launch = {**LAUNCH, "num_warps": num_warps}
     split, combine = _jitted()
     with launching_on(query.device):
         split[(batch * kv_heads, plan.splits)](
@@ -285,7 +304,8 @@ def _triton_decode_attention(
             query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), *mask_strides,
             *out_strides,
             GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
-            BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final, **LAUNCH,
+            BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final,
+            SKIP_EMPTY=mask is not None if skip_empty is None else skip_empty, **launch,
         )  # fmt: skip
         if not final:
             combine[(batch * heads,)](
