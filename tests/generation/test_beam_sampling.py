@@ -71,6 +71,7 @@ def test_beam_sampling_is_reproducible_with_a_generator_and_varies_without_one()
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_beam_sampling_in_the_compiled_step_is_the_eager_step_s() -> None:
     built = build("llama")
     inputs = built.inputs(2, 9, 1)

@@ -29,6 +29,7 @@ def recorded_compilations(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_options_compile_their_own_step_with_equal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     built = zoo.build("t5")
     inputs = built.inputs(2, 9, 1)

@@ -109,7 +109,7 @@ def test_settings_it_does_not_implement_are_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.ci_families("t5")
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("name", ["t5", "llama"])
 def test_compiled_step_equals_generate_and_eager_sampling(name: str) -> None:
     torch._dynamo.reset()

@@ -407,6 +407,7 @@ def test_compiled_greedy_with_processors_reuses_graph_and_buffers() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_compiled_beam_search_reuses_graph_and_buffers() -> None:
     torch._dynamo.reset()
     built = build("bart")
@@ -429,6 +430,7 @@ def test_compiled_beam_search_reuses_graph_and_buffers() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_compiled_bf16_beam_search_equals_a_compiled_forward_with_eager_casts() -> None:
     """bf16: the step rounds at every cast as eager does (inductor's emulate_precision_casts), so its tokens
     equal `generate` with a forward compiled the same way, whatever inductor fuses across the model's last

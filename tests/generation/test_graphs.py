@@ -187,6 +187,7 @@ def test_sampling_in_graphs_is_reproducible_and_draws_as_without_graphs(steps: i
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_compiled_step_in_recorded_graphs_equals_generate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-step compiled function (inductor) that cachelife's graphs capture, for greedy and beams."""
     monkeypatch.setattr(graphs, "capture", record)

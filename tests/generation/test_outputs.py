@@ -170,6 +170,7 @@ def _self_layers(cache: Any) -> list[Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("beams", [1, 3])
 def test_outputs_of_the_compiled_step_equal_generate(beams: int) -> None:
     """The scores are kept inside the compiled step (static buffers written at a tensor column)."""

@@ -65,6 +65,7 @@ def attention_calls(run: Callable[[], object]) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_the_compiled_steps_attention_is_chosen_among_the_repeatable_backends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -102,6 +103,7 @@ class SwitchWatch(BaseStreamer):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.usefixtures("restored_switches")
 def test_the_process_attention_switches_are_left_as_they_were() -> None:
     """A user's own choice (cuDNN's and flash attention switched off here) holds while a compiled call decodes
@@ -164,7 +166,7 @@ def assert_repeats(outputs: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16])
 def test_identical_calls_give_identical_tokens_and_scores_on_the_cpu(dtype: torch.dtype) -> None:
     built = zoo.build("llama", dtype=dtype)
     model = cachelife.enable(built.model)

@@ -18,6 +18,7 @@ SETTINGS: list[dict[str, Any]] = [{}, {"repetition_penalty": 1.3}, {"no_repeat_n
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_more_settings_and_models_than_the_recompile_limit_decode_as_generate() -> None:
     models = [zoo.build("t5"), zoo.build("llama")]
     # Two entries per code object: without code objects of their own, the third step traced raises

@@ -351,6 +351,7 @@ def test_no_speech_detection_falls_back_by_name() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_compiled_long_form_decodes_every_segment_with_one_graph() -> None:
     """Each segment has its own prompt length, begin index and max_length (0-dim tensors in the step)."""
     torch._dynamo.reset()

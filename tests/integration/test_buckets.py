@@ -388,6 +388,7 @@ def test_decode_loop_refuses_buckets_it_cannot_pad_safely() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_compiled_forward_recompiles_nothing_within_a_bucket_and_equals_eager() -> None:
     torch._dynamo.reset()
     counters.clear()

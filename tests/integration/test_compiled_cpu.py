@@ -46,6 +46,7 @@ def _fresh_dynamo() -> None:
     counters.clear()
 
 
+@pytest.mark.ci_families("t5", "bart", "whisper")
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper", "llama"])
 def test_compiled_forward_generation_equals_eager(name: str) -> None:
     built = zoo.build(name)
@@ -90,6 +91,7 @@ def test_transformers_auto_compile_generation_equals_eager() -> None:
     assert all(layer_states == ["Pinned"] * 4 for _, layer_states in states.seen)
 
 
+@pytest.mark.ci_families("t5")
 @pytest.mark.parametrize("name", ["t5", "whisper"])
 def test_compiled_forward_beam_search_equals_eager_and_keeps_its_graphs(name: str) -> None:
     """The in-place reorder is eager code between compiled calls: no recompilation, the same pinned tensors."""

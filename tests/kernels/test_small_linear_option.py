@@ -62,6 +62,7 @@ def test_cachelife_generate_takes_the_kernel_with_eager_tokens(name: str) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.ci_families("llama")
 @pytest.mark.parametrize("name", ["llama", "whisper"])
 def test_the_compiled_step_takes_the_kernel_with_eager_tokens(name: str) -> None:
     built = zoo.build(name)

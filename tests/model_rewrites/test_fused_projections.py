@@ -372,7 +372,7 @@ def _fresh_dynamo() -> Iterator[None]:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_fresh_dynamo")
-@pytest.mark.ci_families("t5-gated", "whisper")
+@pytest.mark.ci_families("whisper")
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_step_has_fewer_matrix_products_and_the_same_tokens(name: str) -> None:
     built = build(name)
@@ -387,8 +387,8 @@ def test_compiled_step_has_fewer_matrix_products_and_the_same_tokens(name: str) 
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.usefixtures("_fresh_dynamo")
-@pytest.mark.ci_families("whisper")
 @pytest.mark.parametrize("name", ["llama", "t5", "bart", "whisper"])
 def test_compiled_beam_search_equals_unfused(name: str) -> None:
     built = build(name)

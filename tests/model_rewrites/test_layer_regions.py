@@ -73,6 +73,7 @@ def test_stacks_are_the_lists_of_layers_of_one_class() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_families("t5")
 @pytest.mark.parametrize("name", ["llama", "whisper", "t5"])
 def test_the_compiled_step_with_regions_has_eager_tokens(name: str) -> None:
     """t5's blocks return their position bias input, which a region may not: it comes back as a copy."""

@@ -112,6 +112,7 @@ def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.usefixtures("stand_in_graphs")
 def test_graphs_of_several_steps_keep_every_row_on_its_own_draws(llama: zoo.ZooModel) -> None:
     # A graph's first call runs one step, its replays three: each sampling row's k-th token still uses its
@@ -527,6 +528,7 @@ def test_a_failure_after_the_prefill_fails_the_batch_and_the_engine_goes_on(
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_decoder_only_prefills_run_one_compiled_forward_for_every_prompt_length(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -593,7 +595,9 @@ def left_padded_requests(built: zoo.ZooModel) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "compile_step", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager-step", "compiled-step"]
+    "compile_step",
+    [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.exhaustive])],
+    ids=["eager-step", "compiled-step"],
 )
 def test_left_padded_prompts_decode_as_generate_decodes_them(llama: zoo.ZooModel, compile_step: bool) -> None:
     """Each row's positions count from its first token and its mask leaves its pads out, as `generate`'s
@@ -672,7 +676,7 @@ def test_close_without_waiting_leaves_no_thread_behind(llama: zoo.ZooModel) -> N
     until(lambda: not any(thread.is_alive() for thread in started), seconds=30)
 
 
-@pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compile_step", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.exhaustive])])
 def test_a_mix_of_settings_decodes_together_each_as_its_own_generate(llama: zoo.ZooModel, compile_step: bool) -> None:
     # Every request's settings are values in its row: all of them share the per-row pipeline (its variants with
     # and without sampling and n-gram bans), and each request equals its own cachelife.generate with the same seed.

@@ -59,6 +59,7 @@ def test_beam_requests_each_equal_transformers_beam_search_alone(name: str, opti
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_beam_groups_under_the_compiled_step_with_joins_at_every_step_and_moves() -> None:
     llama = build("llama")
     requests = [

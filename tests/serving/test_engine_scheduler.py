@@ -88,7 +88,9 @@ def joint_requests(built: zoo.ZooModel) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "compile_step", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager-step", "compiled-step"]
+    "compile_step",
+    [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.exhaustive])],
+    ids=["eager-step", "compiled-step"],
 )
 def test_newcomers_of_one_boundary_share_one_prefill_and_each_decodes_as_alone(
     llama: zoo.ZooModel, compile_step: bool

@@ -26,6 +26,7 @@ def test_busy_time_is_the_union_of_the_kernels_intervals(intervals: list[tuple[i
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_cpu_run_writes_each_rows_wall_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     arguments = ["--device", "cpu", "--model", "llama", "--dtype", "float32", "--rows", "1,2", "--max-length", "64",
                  "--prompt", "8", "--window", "0.1", "--out", str(tmp_path)]  # fmt: skip
@@ -40,6 +41,7 @@ def test_a_cpu_run_writes_each_rows_wall_time(tmp_path: Path, monkeypatch: pytes
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_cpu_run_measures_whisper_and_each_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     arguments = ["--device", "cpu", "--model", "whisper", "--dtype", "float32", "--rows", "2", "--max-length", "40",
                  "--window", "0.1", "--attention", "model,decode", "--out", str(tmp_path)]  # fmt: skip
