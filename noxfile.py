@@ -1,8 +1,8 @@
 """nox sessions. `nox` runs the default set:
 
 - `tests`: the fast tests (`-m "not slow and not gpu"`) on the oldest and the newest supported transformers. On the
-  newest, in the same environment: the slow tests too (compiled models, long loops; a slow test's further model
-  families and a few long tests, marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels
+  newest, in the same environment: one compiled test per feature of the slow tests (compiled models, long loops;
+  the further variants, marked `exhaustive`, are left to `slow` and `full`) and cachelife's Triton kernels
   in Triton's CPU interpreter (`TRITON_INTERPRET=1`), in the same pytest run; then mypy --strict and the
   documentation site (warnings as errors), which `typecheck` and `docs` run alone. Two pytest-xdist workers
   (`CACHELIFE_TEST_WORKERS`), each on one thread (`OMP_NUM_THREADS=1`) and compiling in its own process
@@ -44,7 +44,7 @@ TRANSFORMERS = ["5.17.0", "5.25.0"]
 # requirements are installed) and the newer requirements listed with it.
 OVER = {"5.25.0": ("5.24.0", ("huggingface-hub>=2.4.0,<3.0",))}
 FAST = "not slow and not gpu"
-# The default run's slow tests on the newest transformers: all but the `exhaustive` ones (further families, long tests).
+# The default run's slow tests on the newest transformers: all but the `exhaustive` ones (one compiled test a feature).
 CI = "not gpu and not exhaustive"
 # pytest-xdist workers for the CPU suite, which is mostly compilation: one per core of a 2-core CI machine.
 # Tests that share one Ray instance run on one worker (`xdist_group`, `--dist loadgroup`).
