@@ -77,6 +77,21 @@ def test_beam_requests_under_graphs_equal_their_own_generate(
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_bart_rows_under_graphs_read_their_own_positions(steps_per_call: int) -> None:
+    """BART counts decoder positions from its cache: the engine's rows read their own from the decoder's row
+    position table, written at every step of a replay. The table is scaled up so that a row read at another
+    row's position shows in its tokens."""
+    built = zoo.build("bart", device="cuda")
+    with torch.no_grad():
+        built.model.get_decoder().embed_positions.weight.mul_(50.0)
+    requests = requests_of(built, 10, sampling=False)
+    with Engine(built.model, rows=4, max_length=48, steps_per_call=steps_per_call, encoder_length=24) as engine:
+        results = [future.result(timeout=600) for future in [engine.submit(**request) for request in requests]]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
 def test_left_padded_requests_under_graphs_equal_generate(steps_per_call: int) -> None:
     """Prompts left-padded with their mask, or without it (`generate` infers it), beside unpadded ones: each row
     counts its positions from its first token and leaves its pads out, as `model.generate` does."""

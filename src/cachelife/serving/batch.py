@@ -12,6 +12,7 @@ per beam, each given the same prefill, and starts its search from the prefill's 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
 from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.beams import buffer_width
 from cachelife.generation.loop_settings import LoopSettings
+from cachelife.model_rewrites.row_positions import RowPositions
 from cachelife.serving.admission import BatchView
 from cachelife.serving.batch_steps import BatchSteps
 from cachelife.serving.beam_groups import BeamProgram, group_output, start_group
@@ -72,9 +74,10 @@ class Batch:
     """`rows` rows of at most `max_length` tokens each (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, *, rows: int, max_length: int, settings: LoopSettings,
-                 encoder_length: int | None) -> None:  # fmt: skip
+                 encoder_length: int | None, row_positions: RowPositions | None = None) -> None:  # fmt: skip
         self.model, self.settings, self.max_length = model, settings, max_length
-        self.names = step_names(model)
+        self.row_positions = row_positions
+        self.names = step_names(model, None if row_positions is None else row_positions.positions)
         # Past a row's last feed: its last call's slots, and one more call before the host reads that it ended.
         self.reserve = 2 * settings.steps_per_call
         self.width = max_length + self.reserve
@@ -222,7 +225,8 @@ class Batch:
             if generator is not None:
                 for buffer in self.noise[seat.unused :]:
                     buffer[row : row + seat.size].exponential_(generator=generator)
-        ran = self.programs[self.program.key][1]()
+        with self.row_positions.reading_rows() if self.row_positions is not None else contextlib.nullcontext():
+            ran = self.programs[self.program.key][1]()
         for row, seat in self.seats.items():  # draws a call did not use come first in the next
             if seat.joining.generator is None:
                 continue

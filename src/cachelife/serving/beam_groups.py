@@ -65,9 +65,9 @@ def engine_beam_steps(
     for index in range(steps):
         reorder_cache(_padded(state.beam_idx[:, None], every, identity=True).view(every), self_attention)
         inputs: dict[str, Any] = {names.tokens: _padded(state.last_tokens(), every), names.mask: rows.mask}
-        if names.positions is not None:
+        if names.takes_positions:
             positions = _padded(per_row(state.positions(), plan.beams, used), every)
-            inputs[names.positions] = (positions - rows.padding[:, None]).clamp(min=0)
+            names.feed(inputs, (positions - rows.padding[:, None]).clamp(min=0))
         output = model(**inputs, use_cache=True, **step_inputs)
         logits = output.logits[:used, -1].to(torch.float32)
         beam_step(state, logits, plan, noise[index][:used].view(plan.batch, -1))

@@ -37,10 +37,12 @@ from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullE
 from cachelife.generation.api import check_generator, check_model, with_stop_string_criteria
 from cachelife.generation.arguments import merged_config
 from cachelife.generation.loop_settings import CudaGraphs, LoopSettings
+from cachelife.model_rewrites.row_positions import use_row_positions
 from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
 from cachelife.serving.joint_prefill import Prefilled, joint_groups
+from cachelife.serving.model_facts import counts_positions_from_the_cache
 from cachelife.serving.preparation import candidate, check_submitted, prepared_joining
 from cachelife.serving.requests import (
     Joining,
@@ -98,12 +100,13 @@ class Engine:
         attention = check_attention(attention)
         self._model, self._timeout = model, timeout
         self._attention = switch_attention(model, attention)  # before the step compiles
+        self._row_positions = use_row_positions(model, rows) if counts_positions_from_the_cache(model) else None
         try:
             with torch.no_grad():
                 self._batch = Batch(model, rows=rows, max_length=max_length, settings=settings,
-                                    encoder_length=encoder_length)  # fmt: skip
+                                    encoder_length=encoder_length, row_positions=self._row_positions)  # fmt: skip
         except BaseException:
-            self._restore_attention()
+            self._restore_model()
             raise
         self._numbers = itertools.count()
         self._capacity = rows + queue_size
@@ -304,12 +307,16 @@ class Engine:
             logger.exception("cachelife.Engine: the scheduler failed; the engine closes")
             self._fail_engine(error)
         finally:  # no step runs after this one
-            self._restore_attention()
+            self._restore_model()
 
-    def _restore_attention(self) -> None:
+    def _restore_model(self) -> None:
+        """Undo what the engine changed on its model for its rows: the attention switch, the row positions."""
         if self._attention is not None:
             self._attention.restore()
             self._attention = None
+        if self._row_positions is not None:
+            self._row_positions.restore()
+            self._row_positions = None
 
     def _fail_engine(self, cause: BaseException) -> None:
         """Close the engine for `cause`: new submits are refused, and every request it holds fails with an

@@ -23,9 +23,18 @@ from cachelife.validate import check_int
 _RELATIVE_POSITIONS = frozenset({"t5", "mt5"})
 
 
-def step_names(model: PreTrainedModel) -> StepNames:
-    """The forward's arguments for the engine's step, or `UnsupportedGenerationError` for a model whose
-    decoder reads its positions from the cache's slot (rows that joined at other steps would be misplaced)."""
+def counts_positions_from_the_cache(model: PreTrainedModel) -> bool:
+    """Whether the model's decoder embeds positions counted from its cache, one count for every row, and takes
+    no position ids (BART's family): the engine's rows then need `cachelife.model_rewrites.row_positions`."""
+    if not model.config.is_encoder_decoder or model.config.model_type in _RELATIVE_POSITIONS:
+        return False
+    return "decoder_position_ids" not in inspect.signature(model.forward).parameters
+
+
+def step_names(model: PreTrainedModel, row_positions: torch.Tensor | None = None) -> StepNames:
+    """The forward's arguments for the engine's step (`row_positions`: the buffer of the decoder's row
+    position table, for a model that `counts_positions_from_the_cache`), or `UnsupportedGenerationError` for
+    such a model without one (rows that joined at other steps would be misplaced)."""
     cache = cache_argument_name(model)
     parameters = set(inspect.signature(model.forward).parameters)
     if not model.config.is_encoder_decoder:
@@ -37,12 +46,16 @@ def step_names(model: PreTrainedModel) -> StepNames:
         return StepNames(
             tokens="decoder_input_ids", mask="decoder_attention_mask", positions="decoder_position_ids", cache=cache
         )
-    if model.config.model_type in _RELATIVE_POSITIONS:
-        return StepNames(tokens="decoder_input_ids", mask="decoder_attention_mask", positions=None, cache=cache)
+    if model.config.model_type in _RELATIVE_POSITIONS or row_positions is not None:
+        return StepNames(
+            tokens="decoder_input_ids", mask="decoder_attention_mask", positions=None, cache=cache,
+            row_positions=row_positions,
+        )  # fmt: skip
     msg = (
         f"{type(model).__name__} computes its decoder positions from the cache's slot and takes no "
-        "decoder_position_ids, so the engine's rows (which join at different steps) would be misplaced; "
-        "decode it with cachelife.generate"
+        "decoder_position_ids, and its decoder's embed_positions is not a position table the engine can read "
+        "at each row's own position (or another engine already reads it), so the engine's rows (which join "
+        "at different steps) would be misplaced; decode it with cachelife.generate"
     )
     raise UnsupportedGenerationError(msg)
 

@@ -67,12 +67,26 @@ _ROW_SAFE: Final = (
 @frozen(kw_only=True)
 class StepNames:
     """The forward's arguments: the token input, the decoder's mask over the cache, its position ids (None:
-    T5's relative positions, read from the slots, need none) and the cache."""
+    T5's relative positions, read from the slots, need none; BART's family reads them from `row_positions`)
+    and the cache; `row_positions`, the (rows, 1) buffer of `cachelife.model_rewrites.row_positions` that a
+    decoder without position ids reads while the rows step."""
 
     tokens: str
     mask: str
     positions: str | None
     cache: str
+    row_positions: torch.Tensor | None = None
+
+    @property
+    def takes_positions(self) -> bool:
+        return self.positions is not None or self.row_positions is not None
+
+    def feed(self, inputs: dict[str, Any], positions: torch.Tensor) -> None:
+        """Hand the rows' position ids (rows, 1) to the forward: as its argument, or into `row_positions`."""
+        if self.positions is not None:
+            inputs[self.positions] = positions
+        if self.row_positions is not None:
+            self.row_positions.copy_(positions)
 
 
 @frozen(kw_only=True)
@@ -232,8 +246,8 @@ def engine_steps(
     """`steps` steps of every row (the function that gets compiled)."""
     for index in range(steps):
         inputs: dict[str, Any] = {names.tokens: rows.last_tokens(), names.mask: rows.mask}
-        if names.positions is not None:
-            inputs[names.positions] = rows.positions()
+        if names.takes_positions:
+            names.feed(inputs, rows.positions())
         output = model(**inputs, use_cache=True, **step_inputs)
         choose(rows, output.logits[:, -1].to(torch.float32), noise[index], program)
 
