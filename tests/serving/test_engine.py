@@ -458,8 +458,7 @@ def test_bad_requests_are_refused_before_any_work(
         ({"num_beams": 2}, InvalidArgumentError, "num_beams=2, which takes 2 of the engine's rows; the engine has 1"),
         ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine"),
         ({"max_length": 30}, InvalidArgumentError, r"max_length is 30 \(prompt 4"),
-        ({"bad_words_ids": [[5, 6]]}, UnsupportedGenerationError, "bad_words_ids"),
-        ({"sequence_bias": {(5,): -1.0}}, UnsupportedGenerationError, "sequence_bias"),
+        ({"encoder_no_repeat_ngram_size": 2}, UnsupportedGenerationError, "encoder_no_repeat_ngram_size"),
         ({"do_sample": True, "num_return_sequences": 2}, UnsupportedGenerationError,
          "num_return_sequences=2 without beam search"),
         ({"return_dict_in_generate": True}, UnsupportedGenerationError, "return_dict_in_generate=True"),
@@ -712,6 +711,40 @@ def test_ngram_bans_of_each_rows_own_size_decode_as_generate(llama: zoo.ZooModel
         unbanned = zoo.generate_tokens(llama.model, {**request, "no_repeat_ngram_size": 0})
         changed += int(not torch.equal(result, unbanned))
     assert changed >= 2
+
+
+def test_bad_words_and_sequence_biases_read_each_rows_own_tokens_as_generate(llama: zoo.ZooModel) -> None:
+    # A ban or bias of several tokens applies where a row's own last tokens are its prefix: each row reads its
+    # own length (before: refused by name, as the rule read one length for the whole batch).
+    plain = [{**llama.inputs(1, 3 + index, index), "max_new_tokens": 12} for index in range(6)]
+    greedy = [zoo.generate_tokens(llama.model, request)[0].tolist() for request in plain]
+    requests = []
+    for index, (request, tokens) in enumerate(zip(plain, greedy, strict=True)):
+        prompt = request["input_ids"].shape[1]
+        first, second = tokens[prompt + 1], tokens[prompt + 2]  # the row's own second and third new tokens
+        if index % 3 == 0:
+            requests.append({**request, "bad_words_ids": [[first, second], [7]]})
+        elif index % 3 == 1:
+            requests.append({**request, "sequence_bias": {(first, second): -50.0, (11,): 2.0}})
+        else:
+            requests.append(request)
+    with Engine(llama.model, rows=3, max_length=40, compile_step=False) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
+    changed = 0
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, zoo.generate_tokens(llama.model, request)), index
+        changed += int(result[0].tolist() != greedy[index])
+    assert changed >= 3  # the bans and biases took effect where the rows' own tokens matched
+
+
+def test_marians_checkpoint_settings_decode_in_the_engine_as_generate() -> None:
+    # Marian's checkpoints ban the pad token (bad_words_ids [[pad]]) and search 4 beams.
+    built = zoo.build("marian")
+    requests = [{**built.inputs(1, 3 + (4 * index) % 7, index), "max_new_tokens": 4 + index} for index in range(5)]
+    with Engine(built.model, rows=4, max_length=40, compile_step=False, encoder_length=16) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
 
 
 def test_requests_of_other_temperatures_decode_at_once_in_one_program(llama: zoo.ZooModel) -> None:

@@ -27,8 +27,8 @@ from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 from support import alone
 
-# Marian's checkpoints ban the pad token (bad_words_ids, which the engine refuses) and search 4 beams: these
-# requests ask for neither, so that the rows, not the processors, are what is tested.
+# Marian's checkpoints ban the pad token and search 4 beams: these requests ask for neither, so that the rows'
+# positions, not the processors, are what is tested (test_engine.py decodes Marian's own settings).
 OWN_SETTINGS = {"marian": {"bad_words_ids": None, "num_beams": 1}}
 
 

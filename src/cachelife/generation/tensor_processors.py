@@ -102,7 +102,8 @@ class NoRepeatNGram:
 
 @frozen
 class SequenceBias:
-    """SequenceBiasLogitsProcessor (and NoBadWords, its -inf case), prefixes matched before `length`."""
+    """SequenceBiasLogitsProcessor (and NoBadWords, its -inf case), prefixes matched before `length` (one length,
+    0-dim, or one per row, (rows, 1))."""
 
     single: torch.Tensor  # (vocab,)
     groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (prefixes, last tokens, biases)
@@ -117,7 +118,7 @@ class SequenceBias:
         for prefixes, last, biases in self.groups:
             k = prefixes.shape[1]
             at = (length - k + torch.arange(k, device=tokens.device)).clamp(0, width - 1)
-            tail = tokens.index_select(1, at)
+            tail = tokens.gather(1, at.expand(tokens.shape[0], k))
             matching = (tail[:, None, :] == prefixes).all(dim=-1) & (length >= k + self.extra_context)
             bias = bias.index_add(1, last, torch.where(matching, biases, 0.0).to(bias.dtype))
         return scores + bias

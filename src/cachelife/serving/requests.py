@@ -133,9 +133,8 @@ def unsupported_by_rows(config: GenerationConfig) -> str | None:
     sequences = int_field(config, "num_return_sequences")
     if sequences > 1 and int_field(config, "num_beams") == 1:
         return f"num_return_sequences={sequences} without beam search (submit one request per sequence)"
-    for name in ("bad_words_ids", "sequence_bias", "encoder_no_repeat_ngram_size"):
-        if getattr(config, name, None):
-            return f"{name} (its rule reads one length for the whole batch)"
+    if getattr(config, "encoder_no_repeat_ngram_size", None):
+        return "encoder_no_repeat_ngram_size (its rule reads one encoder input for the whole batch)"
     return None
 
 

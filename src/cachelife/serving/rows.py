@@ -35,6 +35,7 @@ from cachelife.generation.tensor_processors import (
     NoEosBefore,
     NoRepeatNGram,
     RepetitionPenalty,
+    SequenceBias,
     SuppressAtBegin,
     WhisperTimestamps,
 )
@@ -61,6 +62,7 @@ _ROW_SAFE: Final = (
     Occurrences,
     WhisperTimestamps,
     NoRepeatNGram,
+    SequenceBias,
 )
 
 
