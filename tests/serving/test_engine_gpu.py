@@ -82,8 +82,10 @@ def test_bart_rows_under_graphs_read_their_own_positions(steps_per_call: int) ->
     position table, written at every step of a replay. The table is scaled up so that a row read at another
     row's position shows in its tokens."""
     built = zoo.build("bart", device="cuda")
+    table = built.model.get_decoder().embed_positions
+    assert isinstance(table, torch.nn.Embedding)
     with torch.no_grad():
-        built.model.get_decoder().embed_positions.weight.mul_(50.0)
+        table.weight.mul_(50.0)
     requests = requests_of(built, 10, sampling=False)
     with Engine(built.model, rows=4, max_length=48, steps_per_call=steps_per_call, encoder_length=24) as engine:
         results = [future.result(timeout=600) for future in [engine.submit(**request) for request in requests]]

@@ -32,12 +32,18 @@ from support import alone
 OWN_SETTINGS = {"marian": {"bad_words_ids": None, "num_beams": 1}}
 
 
-def sharpened(name: str) -> zoo.ZooModel:
-    """The zoo model with its decoder's position table scaled up: random small positional weights barely move
-    a tiny model's tokens, and a row read at another row's position must show in them."""
-    built = zoo.build(name)
+def sharpen(model: PreTrainedModel) -> None:
+    """Scale the decoder's position table up: random small positional weights barely move a tiny model's
+    tokens, and a row read at another row's position must show in them."""
+    table = model.get_decoder().embed_positions
+    assert isinstance(table, nn.Embedding)
     with torch.no_grad():
-        built.model.get_decoder().embed_positions.weight.mul_(50.0)
+        table.weight.mul_(50.0)
+
+
+def sharpened(name: str) -> zoo.ZooModel:
+    built = zoo.build(name)
+    sharpen(built.model)
     return built
 
 
@@ -86,9 +92,8 @@ def test_the_rest_of_the_family_decodes_in_the_rows_as_model_generate(family: st
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
     )  # fmt: skip
     model: PreTrainedModel = model_class(config).eval()
-    with torch.no_grad():
-        model.get_decoder().embed_positions.weight.mul_(50.0)
-    batch = []
+    sharpen(model)
+    batch: list[dict[str, Any]] = []
     for index in range(6):
         ids = torch.randint(3, 320, (1, 3 + (5 * index) % 9), generator=torch.Generator().manual_seed(index))
         # Blenderbot's config bans the encoder's n-grams, a rule the engine refuses: left out here.
@@ -96,7 +101,9 @@ def test_the_rest_of_the_family_decodes_in_the_rows_as_model_generate(family: st
     with Engine(model, rows=3, max_length=40, compile_step=False, encoder_length=16) as engine:
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in batch]]
     for index, (request, result) in enumerate(zip(batch, results, strict=True)):
-        assert torch.equal(result, model.generate(**request)), index
+        expected = model.generate(**request)
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), index
 
 
 @pytest.mark.slow
@@ -125,7 +132,9 @@ class _Computed(nn.Module):
 def test_a_decoder_whose_positions_are_not_a_table_is_refused_and_left_as_it_was() -> None:
     built = zoo.build("bart")
     decoder = built.model.get_decoder()
-    decoder.embed_positions = _Computed(decoder.embed_positions)
+    table = decoder.embed_positions
+    assert isinstance(table, nn.Embedding)
+    decoder.embed_positions = _Computed(table)
     unchanged = decoder.embed_positions
     with pytest.raises(UnsupportedGenerationError, match="not a position table the engine can read"):
         Engine(built.model, encoder_length=16, compile_step=False)
