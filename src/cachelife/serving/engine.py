@@ -44,15 +44,7 @@ from cachelife.serving.deadlines import Deadlines
 from cachelife.serving.joint_prefill import Prefilled, joint_groups
 from cachelife.serving.model_facts import counts_positions_from_the_cache
 from cachelife.serving.preparation import candidate, check_submitted, prepared_joining
-from cachelife.serving.requests import (
-    Joining,
-    Request,
-    check_timeout,
-    hand_back,
-    own_copy,
-    resolve,
-    wait_for,
-)
+from cachelife.serving.requests import Joining, Request, check_timeout, hand_back, own_copy, resolve, wait_for
 from cachelife.serving.stats import EngineStats
 from cachelife.serving.step_attention import StepAttention, check_attention, switch_attention
 from cachelife.serving.streaming import tokens_as_they_come
