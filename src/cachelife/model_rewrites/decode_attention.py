@@ -33,12 +33,14 @@ def decode_attention_forward(  # noqa: PLR0917 (transformers' attention-function
     position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: `decode_attention` for one query, transformers' SDPA otherwise (more
-    queries, dropout, soft-capping, attention sinks, a query that needs gradients (the op has none), or inputs
-    the kernel does not take). Returns the output as (batch, q_len, heads, head_dim) and no weights, as SDPA
-    does. T5's `position_bias` joins the mask."""
+    """A transformers attention function: `decode_attention` for one query over masked keys, transformers' SDPA
+    otherwise (no mask and no bias, such as Whisper's cross-attention: nothing to skip, and SDPA reads every
+    key faster; more queries, dropout, soft-capping, attention sinks, a query that needs gradients (the op has
+    none), or inputs the kernel does not take). Returns the output as (batch, q_len, heads, head_dim) and no
+    weights, as SDPA does. T5's `position_bias` joins the mask."""
     declined = dropout != 0.0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
     declined = declined or (torch.is_grad_enabled() and query.requires_grad)
+    declined = declined or (attention_mask is None and position_bias is None)
     tensor_mask = attention_mask is None or isinstance(attention_mask, torch.Tensor)  # not a flex BlockMask
     if query.shape[2] == 1 and tensor_mask and not declined:
         mask = attention_mask if position_bias is None else _biased_mask(position_bias, attention_mask)

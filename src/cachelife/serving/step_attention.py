@@ -2,7 +2,8 @@
 
 A step's rows attend over the static cache's whole width with SDPA, its unused slots masked but still read.
 cachelife's decode attention kernel (`cachelife.kernels.attention`) skips the tiles a row's mask leaves out, so
-a row reads only the slots it attends. `Engine(attention=...)` chooses: "auto" (the default) takes the kernel on a
+a row reads only the slots it attends (a call without a mask, cross-attention over every encoder frame, keeps
+SDPA). `Engine(attention=...)` chooses: "auto" (the default) takes the kernel on a
 CUDA device where Triton runs and where every config of the model uses transformers' SDPA (a model set to another
 implementation keeps it); "decode" takes it wherever the model supports it (elsewhere the op's torch fallback, or
 Triton's interpreter under `TRITON_INTERPRET=1`); "model" keeps the model's own implementation. The GPU suite
