@@ -747,6 +747,23 @@ def test_marians_checkpoint_settings_decode_in_the_engine_as_generate() -> None:
         assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
 
 
+def test_the_step_compiles_with_the_options_the_model_was_enabled_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = zoo.build("llama")
+    cachelife.enable(built.model, options=cachelife.Options(compile_options={"epilogue_fusion": False}))
+    compiled_with: list[dict[str, Any]] = []
+
+    def recording_compile(function: Any, **kwargs: Any) -> Any:  # records, and leaves the function eager
+        compiled_with.append(kwargs.get("options") or {})
+        return function
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    request = {**built.inputs(1, 5, 0), "max_new_tokens": 4}
+    with Engine(built.model, rows=2, max_length=24) as engine:
+        result = engine.submit(**request).result(timeout=120)
+    assert torch.equal(result, zoo.generate_tokens(built.model, request))
+    assert any(options.get("epilogue_fusion") is False for options in compiled_with)
+
+
 def test_requests_of_other_temperatures_decode_at_once_in_one_program(llama: zoo.ZooModel) -> None:
     # Twelve temperatures, two rows: no request waits for another's settings (two of 40 new tokens each take
     # about 40 steps together, 80 one after the other), and the batch keeps the per-row pipeline only.

@@ -37,6 +37,7 @@ from cachelife.errors import EngineClosedError, InvalidArgumentError, QueueFullE
 from cachelife.generation.api import check_generator, check_model, with_stop_string_criteria
 from cachelife.generation.arguments import merged_config
 from cachelife.generation.loop_settings import CudaGraphs, LoopSettings
+from cachelife.integration.enabling import options_of
 from cachelife.model_rewrites.row_positions import use_row_positions
 from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
@@ -63,7 +64,8 @@ class Engine:
     `attention` is the attention the rows decode with (`step_attention`: "auto", the default, takes cachelife's
     decode kernel, which reads only the slots a row attends, on a CUDA device over SDPA models; "decode"
     wherever the model supports it; "model" keeps the model's own). `steps_per_call`,
-    `compile_step` and `cuda_graphs` are `cachelife.generate`'s."""
+    `compile_step` and `cuda_graphs` are `cachelife.generate`'s; the step compiles with the `compile_options` the
+    model was enabled with, as `cachelife.generate`'s does."""
 
     def __init__(
         self,
@@ -84,8 +86,9 @@ class Engine:
         check_int("rows", rows)
         check_int("max_length", max_length)
         settings = LoopSettings(
-            steps_per_call=steps_per_call, compile_step=compile_step, fallback=False, cuda_graphs=cuda_graphs
-        )
+            steps_per_call=steps_per_call, compile_step=compile_step, fallback=False, cuda_graphs=cuda_graphs,
+            compile_options=options_of(model).compile_options if compile_step is True else {},
+        )  # fmt: skip
         check_int("queue_size", queue_size, minimum=0)
         check_int("prepare_ahead", prepare_ahead, minimum=0)
         check_timeout(timeout)
