@@ -459,8 +459,10 @@ def test_bad_requests_are_refused_before_any_work(
         ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine"),
         ({"max_length": 30}, InvalidArgumentError, r"max_length is 30 \(prompt 4"),
         ({"encoder_no_repeat_ngram_size": 2}, UnsupportedGenerationError, "encoder_no_repeat_ngram_size"),
-        ({"do_sample": True, "num_return_sequences": 2}, UnsupportedGenerationError,
-         "num_return_sequences=2 without beam search"),
+        ({"do_sample": True, "num_return_sequences": 2}, InvalidArgumentError,
+         "num_return_sequences=2, which takes 2 of the engine's rows; the engine has 1"),
+        ({"do_sample": True, "num_return_sequences": 2, "max_time": 5.0}, UnsupportedGenerationError,
+         "max_time with num_return_sequences=2"),
         ({"return_dict_in_generate": True}, UnsupportedGenerationError, "return_dict_in_generate=True"),
     ],
 )  # fmt: skip
@@ -762,6 +764,46 @@ def test_the_step_compiles_with_the_options_the_model_was_enabled_with(monkeypat
         result = engine.submit(**request).result(timeout=120)
     assert torch.equal(result, zoo.generate_tokens(built.model, request))
     assert any(options.get("epilogue_fusion") is False for options in compiled_with)
+
+
+@pytest.mark.parametrize(("name", "options"), [("llama", {}), ("t5", {"encoder_length": 16})])
+def test_several_sampled_sequences_take_a_row_each_and_equal_their_own_generate(
+    name: str, options: dict[str, Any]
+) -> None:
+    # Many end tokens: a request's sequences end at different steps, and the ended ones are padded as generate
+    # pads them while the others go on.
+    built = build(name)
+    sampling = {
+        "do_sample": True,
+        "top_k": 0,
+        "temperature": 1.3,
+        "eos_token_id": list(range(3, 40)),
+        "pad_token_id": 0,
+    }
+    requests = []
+    for index in range(6):
+        request = {**built.inputs(1, 3 + (4 * index) % 7, index), "max_new_tokens": 5 + (3 * index) % 9, **sampling}
+        if index % 2 == 0:
+            request["num_return_sequences"] = 2 + index % 3
+        requests.append(request)
+
+    def seeded(index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(100 + index)
+
+    with Engine(built.model, rows=4, max_length=40, compile_step=False, **options) as engine:
+        futures = [engine.submit(**request, generator=seeded(index)) for index, request in enumerate(requests)]
+        results = [future.result(timeout=120) for future in futures]
+    padded = 0
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(
+            built.model, compile_step=False, fallback=False, generator=seeded(index), **request
+        )
+        assert isinstance(expected, torch.Tensor)
+        assert result.shape[0] == request.get("num_return_sequences", 1)
+        assert torch.equal(result, expected), index
+        ends = [int((row[1:] == 0).nonzero()[0]) if (row[1:] == 0).any() else None for row in result]
+        padded += int(result.shape[0] > 1 and any(end is not None for end in ends))
+    assert padded >= 1  # a sequence ended while another of its request's went on
 
 
 def test_requests_of_other_temperatures_decode_at_once_in_one_program(llama: zoo.ZooModel) -> None:

@@ -147,7 +147,7 @@ class Batch:
         """Write the newcomer's prompt into its free rows from `first` so that it ends before the placement's
         slot (from `prefilled`, or its own prefill now), and pick its first token (or take its beams' first
         step); a failure fails the newcomer alone and leaves the other rows as they were."""
-        group = self.slots[first : first + joining.beams]
+        group = self.slots[first : first + joining.rows]
         for slot in group:
             slot.move("admit", Prefilling(joining.request.number))
         encoder = None
@@ -176,7 +176,7 @@ class Batch:
         end = self.slot + joining.max_length - joining.prompt - 1
         self.seats[first] = _Seat(
             joining=joining, start=start, end=end, streamed=joining.prompt, checked=joining.prompt, joined=self.calls,
-            size=joining.beams,
+            size=joining.rows,
         )  # fmt: skip
 
     def _place(
@@ -191,7 +191,7 @@ class Batch:
             self._roll(placement.shift)
         self.slot = placement.slot
         start = self.slot - joining.prompt
-        for row in range(first, first + joining.beams):
+        for row in range(first, first + joining.rows):
             prefilled.writes.write(row, start - prefilled.extra, self.slot, prefilled.source)
             if encoder is not None:
                 write_encoder_row(self.step_inputs, row, encoder)
@@ -210,7 +210,7 @@ class Batch:
                 max_length=joining.max_length, logits=logits, noise=noise,
             )  # fmt: skip
         else:
-            choose_first(self.rows, first, logits[0], program, generator=joining.generator)
+            choose_first(self.rows, first, logits[0], program, generator=joining.generator, count=joining.rows)
         return start
 
     def advance(self) -> None:
@@ -261,6 +261,15 @@ class Batch:
                 self.end(row)
                 continue
             if seat.joined >= snapshot.taken:  # it joined after this snapshot
+                continue
+            if seat.size > 1:  # several sampled sequences: they end together, each padded as generate pads it
+                group = range(row, row + seat.size)
+                if all(not unfinished[each] or lengths[each] >= joining.max_length for each in group):
+                    width = max(lengths[each] for each in group)
+                    tokens = self.rows.tokens[row : row + seat.size, :width].clone()
+                    for index, each in enumerate(group):
+                        tokens[index, lengths[each] :] = joining.pad
+                    self.end(row, tokens=tokens)
                 continue
             length = lengths[row]
             stopped = None
@@ -340,7 +349,7 @@ class Batch:
         """The newcomer's prompt through the prefill on the scratch cache, and its encoder output (and mask) at
         the engine's encoder length."""
         started = time.perf_counter()
-        kwargs = first_sequence(joining.model_kwargs, joining.beams)
+        kwargs = first_sequence(joining.model_kwargs, joining.rows)
         for stale in ("cache", "past_key_values"):
             kwargs.pop(stale, None)
         kwargs[self.names.cache] = self.scratch

@@ -101,7 +101,7 @@ class JointPrefill:
         extra = set(kwargs) - _JOINT_INPUTS - {self.cache_name, "past_key_values", "cache"}
         return (
             bool(self.scratches)
-            and joining.beams == 1
+            and joining.rows == 1
             and not extra
             and getattr(joining.config, "prefill_chunk_size", None) is None
             and kwargs.get("use_cache", True) is True

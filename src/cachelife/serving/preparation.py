@@ -37,7 +37,7 @@ def prepared_joining(
     max_length = int_field(config, "max_length")
     check_length(batch, prompt=int(input_ids.shape[1]), max_length=max_length)
     beams = int_field(config, "num_beams")
-    check_beams(batch, beams)
+    check_beams(batch, beams, int_field(config, "num_return_sequences"))
     generator = request.generator
     if config.do_sample and generator is None:
         generator = torch.Generator(device=model.device).manual_seed(int(torch.randint(2**62, ())))
@@ -64,6 +64,7 @@ def prepared_joining(
         streamer=streamer,
         beams=beams,
         sequences=int_field(config, "num_return_sequences"),
+        pad=pad,
         padding=left_padding(model, model_kwargs),
         per_row=per_row_values,
         criteria=host_criteria(criteria),
@@ -75,7 +76,7 @@ def check_submitted(model: PreTrainedModel, kwargs: dict[str, Any], batch: Batch
     batch can ever hold it: its beams, and a decoder-only prompt's length and new tokens (an encoder-decoder
     model's decoder prompt is known once `generate` prepared it, where `prepared_joining` checks it)."""
     config = check_request(model, kwargs, streamed=streamed)
-    check_beams(batch, int_field(config, "num_beams"))
+    check_beams(batch, int_field(config, "num_beams"), int_field(config, "num_return_sequences"))
     prompt = kwargs.get("input_ids")
     if not model.config.is_encoder_decoder and isinstance(prompt, torch.Tensor):
         new, length = config.max_new_tokens, int(prompt.shape[1])
@@ -83,12 +84,14 @@ def check_submitted(model: PreTrainedModel, kwargs: dict[str, Any], batch: Batch
         check_length(batch, prompt=length, max_length=max_length)
 
 
-def check_beams(batch: Batch, beams: int) -> None:
-    """`InvalidArgumentError` for a request of more beams than the batch has rows."""
-    if beams > len(batch.slots):
+def check_beams(batch: Batch, beams: int, sequences: int = 1) -> None:
+    """`InvalidArgumentError` for a request of more rows than the batch has: a row per beam, or without beams
+    a row per sampled sequence."""
+    name, rows = ("num_beams", beams) if beams > 1 else ("num_return_sequences", sequences)
+    if rows > len(batch.slots):
         msg = (
-            f"the request asks for num_beams={beams}, which takes {beams} of the engine's rows; the engine "
-            f"has {len(batch.slots)}: ask for fewer beams, or make the engine's rows more"
+            f"the request asks for {name}={rows}, which takes {rows} of the engine's rows; the engine "
+            f"has {len(batch.slots)}: ask for fewer, or make the engine's rows more"
         )
         raise InvalidArgumentError(msg)
 
@@ -106,6 +109,6 @@ def check_length(batch: Batch, *, prompt: int, max_length: int) -> None:
 def candidate(joining: Joining) -> Candidate:
     """A waiting request as admission sees it."""
     return Candidate(
-        number=joining.request.number, rows=joining.beams, key=joining.key, prompt=joining.prompt,
+        number=joining.request.number, rows=joining.rows, key=joining.key, prompt=joining.prompt,
         remaining=joining.max_length - joining.prompt - 1,
     )  # fmt: skip

@@ -64,8 +64,9 @@ class Joining:
     max_length: int
     generator: torch.Generator | None
     streamer: BaseStreamer | None = None
-    beams: int = 1  # rows the request takes (num_beams; its input_ids hold one copy of the prompt per beam)
-    sequences: int = 1  # hypotheses it returns (num_return_sequences)
+    beams: int = 1  # num_beams (its input_ids hold one copy of the prompt per beam)
+    sequences: int = 1  # hypotheses it returns (num_return_sequences; without beams, one row each)
+    pad: int = 0  # the token a finished sequence is padded with, as generate pads it
     padding: int = 0  # pad tokens on the left of its prompt (its attention mask's zeros)
     per_row: PerRow | None = None  # its processors as the per-row pipeline's values, if they are (`row_settings`)
     # Stopping criteria only the host evaluates (`stop_strings`, `max_time`, custom ones), read at each boundary.
@@ -77,6 +78,11 @@ class Joining:
     tokens: torch.Tensor | None = None
     error: BaseException | None = None
     abandoned: bool = False  # its thread stopped waiting (cancelled, timed out, its streamer failed)
+
+    @property
+    def rows(self) -> int:
+        """The rows it takes: one per beam, or one per sampled sequence."""
+        return self.beams if self.beams > 1 else self.sequences
 
     @property
     def prompt(self) -> int:
@@ -113,11 +119,15 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
     if (streamed or kwargs.get("streamer") is not None) and int_field(config, "num_beams") > 1:
         msg = f"a beam search (num_beams={int_field(config, 'num_beams')}) streams no tokens: transformers refuses it"
         raise InvalidArgumentError(msg)
+    if (streamed or kwargs.get("streamer") is not None) and int_field(config, "num_return_sequences") > 1:
+        sequences = int_field(config, "num_return_sequences")
+        msg = f"num_return_sequences={sequences} streams no tokens: a streamer takes one sequence"
+        raise InvalidArgumentError(msg)
     feature = (
         unsupported_argument(kwargs)
         or unsupported_config(config)
         or unsupported_by_rows(config)
-        or host_stops_with_beams(kwargs, config)
+        or host_stops_of_groups(kwargs, config)
     )
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
@@ -130,21 +140,21 @@ def unsupported_by_rows(config: GenerationConfig) -> str | None:
     (`generate` may set more in the request's thread: Whisper's fallback asks for scores)."""
     if getattr(config, "return_dict_in_generate", False):
         return "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
-    sequences = int_field(config, "num_return_sequences")
-    if sequences > 1 and int_field(config, "num_beams") == 1:
-        return f"num_return_sequences={sequences} without beam search (submit one request per sequence)"
     if getattr(config, "encoder_no_repeat_ngram_size", None):
         return "encoder_no_repeat_ngram_size (its rule reads one encoder input for the whole batch)"
     return None
 
 
-def host_stops_with_beams(kwargs: dict[str, Any], config: GenerationConfig) -> str | None:
-    """Stops only the host reads, asked of a beam search (whose rows the host does not look at)."""
-    if int_field(config, "num_beams") == 1:
+def host_stops_of_groups(kwargs: dict[str, Any], config: GenerationConfig) -> str | None:
+    """Stops only the host reads, asked of a request of several rows (a beam search, several sampled
+    sequences), whose rows the host reads as one."""
+    beams, sequences = int_field(config, "num_beams"), int_field(config, "num_return_sequences")
+    if beams == 1 and sequences == 1:
         return None
     asked = [name for name in ("stop_strings", "max_time") if getattr(config, name, None) is not None]
     asked += ["stopping_criteria"] if kwargs.get("stopping_criteria") else []
-    return f"{asked[0]} with beam search" if asked else None
+    group = "beam search" if beams > 1 else f"num_return_sequences={sequences}"
+    return f"{asked[0]} with {group}" if asked else None
 
 
 def check_prompt_shape(name: str, value: torch.Tensor) -> None:
@@ -202,12 +212,10 @@ def prepared_processors(
     """The request's processors as the engine's step runs them, or `UnsupportedGenerationError` naming what
     the engine does not decode (what `generate` prepared, read in its thread)."""
     beams = int_field(config, "num_beams")
+    rows = beams if beams > 1 else int_field(config, "num_return_sequences")
     reason = unsupported_by_rows(config)
-    if reason is None and int(input_ids.shape[0]) != beams:
-        reason = (
-            f"{int(input_ids.shape[0])} sequences for one request of {beams} beam(s) (num_return_sequences "
-            "without beam search, or Whisper's)"
-        )
+    if reason is None and int(input_ids.shape[0]) != rows:
+        reason = f"{int(input_ids.shape[0])} sequences for one request of {rows} row(s) (Whisper's several sequences)"
     reason = (
         reason
         or unsupported_criterion(criteria, config)

@@ -299,16 +299,23 @@ def _value(value: object) -> object:
 
 
 def choose_first(
-    rows: Rows, row: int, logits: torch.Tensor, program: Program, *, generator: torch.Generator | None
+    rows: Rows,
+    row: int,
+    logits: torch.Tensor,
+    program: Program,
+    *,
+    generator: torch.Generator | None,
+    count: int = 1,
 ) -> None:
-    """A newcomer's first token, from its prefill's last `logits` (vocab,), chosen with its row's processors and
-    its generator's first draw; the other rows take no part."""
-    count, vocab, device = rows.length.shape[0], logits.shape[-1], logits.device
-    noise = torch.ones(count, vocab, device=device)
+    """A newcomer's first token in each of its `count` rows from `row`, from its prefill's last `logits` (vocab,),
+    chosen with its rows' processors and its generator's first draw ((count, vocab) at once, as `generate`
+    draws for its sequences); the other rows take no part."""
+    every, vocab, device = rows.length.shape[0], logits.shape[-1], logits.device
+    noise = torch.ones(every, vocab, device=device)
     if generator is not None:
-        noise[row].exponential_(generator=generator)
-    among = torch.zeros(count, dtype=torch.bool, device=device)
-    among[row] = True
-    first = torch.zeros(count, vocab, device=device)
-    first[row] = logits
+        noise[row : row + count].exponential_(generator=generator)
+    among = torch.zeros(every, dtype=torch.bool, device=device)
+    among[row : row + count] = True
+    first = torch.zeros(every, vocab, device=device)
+    first[row : row + count] = logits
     choose(rows, first, noise, program, among)
