@@ -94,6 +94,38 @@ def test_bart_rows_under_graphs_read_their_own_positions(steps_per_call: int) ->
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_several_sampled_sequences_under_graphs_equal_their_own_generate(steps_per_call: int) -> None:
+    """A request's sampled sequences take a row each; its generator draws for them at once within a replay."""
+    built = zoo.build("llama-small", device="cuda")
+    sampling = {
+        "do_sample": True,
+        "top_k": 0,
+        "temperature": 1.3,
+        "eos_token_id": list(range(3, 40)),
+        "pad_token_id": 0,
+    }
+    requests = []
+    for index in range(8):
+        request = {**built.inputs(1, 3 + (5 * index) % 11, index), "max_new_tokens": 4 + (7 * index) % 13, **sampling}
+        if index % 2 == 0:
+            request["num_return_sequences"] = 2 + index % 3
+        requests.append(request)
+
+    def seeded(index: int) -> torch.Generator:
+        return torch.Generator(device="cuda").manual_seed(100 + index)
+
+    with Engine(built.model, rows=4, max_length=48, steps_per_call=steps_per_call) as engine:
+        futures = [engine.submit(**request, generator=seeded(index)) for index, request in enumerate(requests)]
+        results = [future.result(timeout=600) for future in futures]
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = cachelife.generate(
+            built.model, fallback=False, steps_per_call=steps_per_call, generator=seeded(index), **request
+        )
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(result, expected), index
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
 def test_left_padded_requests_under_graphs_equal_generate(steps_per_call: int) -> None:
     """Prompts left-padded with their mask, or without it (`generate` infers it), beside unpadded ones: each row
     counts its positions from its first token and leaves its pads out, as `model.generate` does."""
