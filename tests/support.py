@@ -1,4 +1,5 @@
-"""Helpers the tests share: waiting for an engine's state, and one request decoded alone."""
+"""Helpers the tests share: waiting for an engine's state, one request decoded alone, and requests of several
+sampled sequences."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 import cachelife
+from cachelife.tools import zoo
 
 
 def until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
@@ -27,3 +29,22 @@ def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
     tokens = cachelife.generate(model, compile_step=False, fallback=False, **kwargs)
     assert isinstance(tokens, torch.Tensor)
     return tokens
+
+
+def several_sequence_requests(built: zoo.ZooModel, count: int) -> list[dict[str, Any]]:
+    """Sampling requests, every other one of 2 to 4 sequences (`num_return_sequences`), with many end tokens:
+    one request's sequences end at different steps."""
+    sampling = {
+        "do_sample": True,
+        "top_k": 0,
+        "temperature": 1.3,
+        "eos_token_id": list(range(3, 40)),
+        "pad_token_id": 0,
+    }
+    requests = []
+    for index in range(count):
+        request = {**built.inputs(1, 3 + (5 * index) % 11, index), "max_new_tokens": 4 + (7 * index) % 13, **sampling}
+        if index % 2 == 0:
+            request["num_return_sequences"] = 2 + index % 3
+        requests.append(request)
+    return requests

@@ -31,7 +31,7 @@ from cachelife.serving.row_ngrams import LONGEST_NGRAM
 from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
-from support import alone, until
+from support import alone, several_sequence_requests, until
 
 
 def build(name: str) -> zoo.ZooModel:
@@ -773,19 +773,7 @@ def test_several_sampled_sequences_take_a_row_each_and_equal_their_own_generate(
     # Many end tokens: a request's sequences end at different steps, and the ended ones are padded as generate
     # pads them while the others go on.
     built = build(name)
-    sampling = {
-        "do_sample": True,
-        "top_k": 0,
-        "temperature": 1.3,
-        "eos_token_id": list(range(3, 40)),
-        "pad_token_id": 0,
-    }
-    requests = []
-    for index in range(6):
-        request = {**built.inputs(1, 3 + (4 * index) % 7, index), "max_new_tokens": 5 + (3 * index) % 9, **sampling}
-        if index % 2 == 0:
-            request["num_return_sequences"] = 2 + index % 3
-        requests.append(request)
+    requests = several_sequence_requests(built, 6)
 
     def seeded(index: int) -> torch.Generator:
         return torch.Generator().manual_seed(100 + index)

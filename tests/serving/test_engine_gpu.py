@@ -15,6 +15,7 @@ import cachelife
 from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
+from support import several_sequence_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -97,19 +98,7 @@ def test_bart_rows_under_graphs_read_their_own_positions(steps_per_call: int) ->
 def test_several_sampled_sequences_under_graphs_equal_their_own_generate(steps_per_call: int) -> None:
     """A request's sampled sequences take a row each; its generator draws for them at once within a replay."""
     built = zoo.build("llama-small", device="cuda")
-    sampling = {
-        "do_sample": True,
-        "top_k": 0,
-        "temperature": 1.3,
-        "eos_token_id": list(range(3, 40)),
-        "pad_token_id": 0,
-    }
-    requests = []
-    for index in range(8):
-        request = {**built.inputs(1, 3 + (5 * index) % 11, index), "max_new_tokens": 4 + (7 * index) % 13, **sampling}
-        if index % 2 == 0:
-            request["num_return_sequences"] = 2 + index % 3
-        requests.append(request)
+    requests = several_sequence_requests(built, 8)
 
     def seeded(index: int) -> torch.Generator:
         return torch.Generator(device="cuda").manual_seed(100 + index)
