@@ -2,9 +2,9 @@
 
 First come, first served by submission time: the waiting requests are taken in the order they were submitted
 (their preparation may end in another order), each while it fits, and the first that does not fit stops the
-plan, so that no later request overtakes it. A request fits when it finds free neighbouring rows for its beams,
-runs the batch's program (or the per-row pipeline alongside it), and finds room in the cache's window
-(`window.place`). Each admission is planned on the batch as the ones before it leave it.
+plan, so that no later request overtakes it. A request fits when it finds free neighbouring rows for its beams
+(or sampled sequences), runs the batch's program (or the per-row pipeline alongside it), and finds room in the
+cache's window (`window.place`). Each admission is planned on the batch as the ones before it leave it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Candidate:
     """A waiting request as admission sees it."""
 
     number: int  # its submission order
-    rows: int  # the rows it takes (its beams)
+    rows: int  # the rows it takes (its beams, or its sampled sequences)
     key: tuple[object, ...]  # its program's
     prompt: int
     remaining: int  # tokens still to feed after its prompt's first pick
