@@ -461,8 +461,6 @@ def test_bad_requests_are_refused_before_any_work(
         ({"encoder_no_repeat_ngram_size": 2}, UnsupportedGenerationError, "encoder_no_repeat_ngram_size"),
         ({"do_sample": True, "num_return_sequences": 2}, InvalidArgumentError,
          "num_return_sequences=2, which takes 2 of the engine's rows; the engine has 1"),
-        ({"do_sample": True, "num_return_sequences": 2, "max_time": 5.0}, UnsupportedGenerationError,
-         "max_time with num_return_sequences=2"),
         ({"return_dict_in_generate": True}, UnsupportedGenerationError, "return_dict_in_generate=True"),
     ],
 )  # fmt: skip

@@ -225,6 +225,36 @@ def test_stop_strings_and_host_criteria_stop_each_request_where_its_own_generate
     assert all(tokens.shape[1] < requests[0]["input_ids"].shape[1] + 12 for tokens in got[:4])
 
 
+def test_stop_strings_end_each_of_several_sampled_sequences_where_its_own_generate_ends_it(
+    llama: zoo.ZooModel,
+) -> None:
+    # Thirty one-letter stop strings: each of a request's sequences stops on its own, read by the host a call
+    # late; the row decodes no more, and its tokens past the stop are padded as generate pads them.
+    model = llama.model
+    tokenizer = zoo.letters_tokenizer(int(model.config.vocab_size))
+    stops = {"stop_strings": [tokenizer.decode([token]) for token in range(10, 40)], "tokenizer": tokenizer}
+    requests = []
+    for index in range(6):
+        request = {**llama.inputs(1, 3 + (5 * index) % 11, index), "max_new_tokens": 14, "do_sample": True,
+                   "top_k": 0, "temperature": 1.3, **stops}  # fmt: skip
+        if index % 2 == 0:
+            request["num_return_sequences"] = 2 + index % 3
+        requests.append(request)
+
+    def seeded(index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(100 + index)
+
+    with Engine(model, rows=4, max_length=40, compile_step=False, steps_per_call=2) as engine:
+        futures = [engine.submit(**request, generator=seeded(index)) for index, request in enumerate(requests)]
+        results = [future.result(timeout=120) for future in futures]
+    stopped = 0
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        expected = alone(model, steps_per_call=2, generator=seeded(index), **request)
+        assert torch.equal(result, expected), index
+        stopped += int(result.shape[0] > 1 and result.shape[1] < request["input_ids"].shape[1] + 14)
+    assert stopped >= 1  # a request's every sequence stopped before its budget
+
+
 def test_host_side_stops_with_beam_search_are_refused_at_submit_by_name(llama: zoo.ZooModel) -> None:
     tokenizer = zoo.letters_tokenizer(int(llama.model.config.vocab_size))
     with Engine(llama.model, rows=2, max_length=64, compile_step=False) as engine:

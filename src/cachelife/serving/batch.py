@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 import torch
-from attrs import define
+from attrs import define, field
 from transformers import PreTrainedModel
 
 from cachelife.core.cache_lifecycle import is_encoder_decoder_cache, lifecycle
@@ -58,7 +58,7 @@ from cachelife.serving.window import Occupant, Placement
 
 @define(kw_only=True)
 class _Seat:
-    """A request's rows: `size` rows from the row it is keyed by (its beams; 1 without beam search)."""
+    """A request's rows: `size` rows from the row it is keyed by (its beams or sampled sequences; else 1)."""
 
     joining: Joining
     start: int
@@ -68,6 +68,9 @@ class _Seat:
     joined: int  # the step calls before it joined: the rows' snapshots until then are not its
     size: int = 1
     unused: int = 0  # leading noise buffers holding draws no step used yet
+    # Several sampled sequences: each row's tokens its host-side stops have seen, and where they stopped it.
+    checks: dict[int, int] = field(factory=dict)
+    stops: dict[int, int] = field(factory=dict)
 
 
 class Batch:
@@ -262,14 +265,8 @@ class Batch:
                 continue
             if seat.joined >= snapshot.taken:  # it joined after this snapshot
                 continue
-            if seat.size > 1:  # several sampled sequences: they end together, each padded as generate pads it
-                group = range(row, row + seat.size)
-                if all(not unfinished[each] or lengths[each] >= joining.max_length for each in group):
-                    width = max(lengths[each] for each in group)
-                    tokens = self.rows.tokens[row : row + seat.size, :width].clone()
-                    for index, each in enumerate(group):
-                        tokens[index, lengths[each] :] = joining.pad
-                    self.end(row, tokens=tokens)
+            if seat.size > 1:
+                self._collect_sequences(row, seat, lengths, unfinished)
                 continue
             length = lengths[row]
             stopped = None
@@ -283,6 +280,28 @@ class Batch:
                 joining.news.set()
             if stopped is not None or not unfinished[row] or length >= joining.max_length:
                 self.end(row, tokens=self.rows.tokens[row : row + 1, :length].clone())
+
+    def _collect_sequences(self, row: int, seat: _Seat, lengths: list[int], unfinished: list[bool]) -> None:
+        """A request's several sampled sequences, from `row`: each ends on its own (on the device, or where a stop
+        only the host reads stops it, after which the row decodes no more), and the request once all have, each
+        padded past its end as generate pads it."""
+        joining, group = seat.joining, range(row, row + seat.size)
+        for each in group:
+            if joining.criteria and each not in seat.stops:
+                stopped = stopped_at(joining.criteria, self.rows.tokens[each : each + 1, : lengths[each]],
+                                     after=seat.checks.get(each, seat.checked))  # fmt: skip
+                seat.checks[each] = lengths[each]
+                if stopped is not None:
+                    seat.stops[each] = stopped
+                    self.rows.unfinished[each] = False
+        ended = [each in seat.stops or not unfinished[each] or lengths[each] >= joining.max_length for each in group]
+        if not all(ended):
+            return
+        ends = [seat.stops.get(each, lengths[each]) for each in group]
+        tokens = self.rows.tokens[row : row + seat.size, : max(ends)].clone()
+        for index, end in enumerate(ends):
+            tokens[index, end:] = joining.pad
+        self.end(row, tokens=tokens)
 
     def _collect_groups(self, program: BeamProgram) -> None:
         """Hand back the groups whose search ended (one host read of the running flags), and leave abandoned

@@ -127,7 +127,7 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
         unsupported_argument(kwargs)
         or unsupported_config(config)
         or unsupported_by_rows(config)
-        or host_stops_of_groups(kwargs, config)
+        or host_stops_with_beams(kwargs, config)
     )
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
@@ -145,16 +145,13 @@ def unsupported_by_rows(config: GenerationConfig) -> str | None:
     return None
 
 
-def host_stops_of_groups(kwargs: dict[str, Any], config: GenerationConfig) -> str | None:
-    """Stops only the host reads, asked of a request of several rows (a beam search, several sampled
-    sequences), whose rows the host reads as one."""
-    beams, sequences = int_field(config, "num_beams"), int_field(config, "num_return_sequences")
-    if beams == 1 and sequences == 1:
+def host_stops_with_beams(kwargs: dict[str, Any], config: GenerationConfig) -> str | None:
+    """Stops only the host reads, asked of a beam search (whose rows the host does not look at)."""
+    if int_field(config, "num_beams") == 1:
         return None
     asked = [name for name in ("stop_strings", "max_time") if getattr(config, name, None) is not None]
     asked += ["stopping_criteria"] if kwargs.get("stopping_criteria") else []
-    group = "beam search" if beams > 1 else f"num_return_sequences={sequences}"
-    return f"{asked[0]} with {group}" if asked else None
+    return f"{asked[0]} with beam search" if asked else None
 
 
 def check_prompt_shape(name: str, value: torch.Tensor) -> None:
