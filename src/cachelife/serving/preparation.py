@@ -37,7 +37,7 @@ def prepared_joining(
     max_length = int_field(config, "max_length")
     check_length(batch, prompt=int(input_ids.shape[1]), max_length=max_length)
     beams = int_field(config, "num_beams")
-    check_beams(batch, beams, int_field(config, "num_return_sequences"))
+    check_rows(batch, beams, int_field(config, "num_return_sequences"))
     generator = request.generator
     if config.do_sample and generator is None:
         generator = torch.Generator(device=model.device).manual_seed(int(torch.randint(2**62, ())))
@@ -73,10 +73,10 @@ def prepared_joining(
 
 def check_submitted(model: PreTrainedModel, kwargs: dict[str, Any], batch: Batch, *, streamed: bool = False) -> None:
     """What is wrong with a request at `submit`, before any work (`requests.check_request`), and whether the
-    batch can ever hold it: its beams, and a decoder-only prompt's length and new tokens (an encoder-decoder
+    batch can ever hold it: its rows (beams or sampled sequences), and a decoder-only prompt's length and new tokens (an encoder-decoder
     model's decoder prompt is known once `generate` prepared it, where `prepared_joining` checks it)."""
     config = check_request(model, kwargs, streamed=streamed)
-    check_beams(batch, int_field(config, "num_beams"), int_field(config, "num_return_sequences"))
+    check_rows(batch, int_field(config, "num_beams"), int_field(config, "num_return_sequences"))
     prompt = kwargs.get("input_ids")
     if not model.config.is_encoder_decoder and isinstance(prompt, torch.Tensor):
         new, length = config.max_new_tokens, int(prompt.shape[1])
@@ -84,7 +84,7 @@ def check_submitted(model: PreTrainedModel, kwargs: dict[str, Any], batch: Batch
         check_length(batch, prompt=length, max_length=max_length)
 
 
-def check_beams(batch: Batch, beams: int, sequences: int = 1) -> None:
+def check_rows(batch: Batch, beams: int, sequences: int) -> None:
     """`InvalidArgumentError` for a request of more rows than the batch has: a row per beam, or without beams
     a row per sampled sequence."""
     name, rows = ("num_beams", beams) if beams > 1 else ("num_return_sequences", sequences)
