@@ -73,8 +73,9 @@ def prepared_joining(
 
 def check_submitted(model: PreTrainedModel, kwargs: dict[str, Any], batch: Batch, *, streamed: bool = False) -> None:
     """What is wrong with a request at `submit`, before any work (`requests.check_request`), and whether the
-    batch can ever hold it: its rows (beams or sampled sequences), and a decoder-only prompt's length and new tokens (an encoder-decoder
-    model's decoder prompt is known once `generate` prepared it, where `prepared_joining` checks it)."""
+    batch can ever hold it: its rows (beams or sampled sequences), and a decoder-only prompt's length and new
+    tokens (an encoder-decoder model's decoder prompt is known once `generate` prepared it, where
+    `prepared_joining` checks it)."""
     config = check_request(model, kwargs, streamed=streamed)
     check_rows(batch, int_field(config, "num_beams"), int_field(config, "num_return_sequences"))
     prompt = kwargs.get("input_ids")
