@@ -17,6 +17,7 @@ cancelled (`future.cancel()`) or time out, fail alone when their own input, pref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -42,6 +43,7 @@ from cachelife.model_rewrites.row_positions import use_row_positions
 from cachelife.serving.admission import Admission, plan
 from cachelife.serving.batch import Batch
 from cachelife.serving.deadlines import Deadlines
+from cachelife.serving.encoder_calls import gather_encoder_calls
 from cachelife.serving.joint_prefill import Prefilled, joint_groups
 from cachelife.serving.model_facts import counts_positions_from_the_cache
 from cachelife.serving.preparation import candidate, check_submitted, prepared_joining
@@ -94,12 +96,16 @@ class Engine:
         check_timeout(timeout)
         attention = check_attention(attention)
         self._model, self._timeout = model, timeout
-        self._attention = switch_attention(model, attention)  # before the step compiles
-        self._row_positions = use_row_positions(model, rows) if counts_positions_from_the_cache(model) else None
+        switched = switch_attention(model, attention)  # before the step compiles
+        row_positions = use_row_positions(model, rows) if counts_positions_from_the_cache(model) else None
+        self._encoders = gather_encoder_calls(model, most=rows)  # newcomers' encoders run together
+        # What the engine changed on its model for its rows, undone (last first) when it ends.
+        changes = (switched, row_positions, self._encoders)
+        self._restores = [change.restore for change in changes if change is not None]
         try:
             with torch.no_grad():
                 self._batch = Batch(model, rows=rows, max_length=max_length, settings=settings,
-                                    encoder_length=encoder_length, row_positions=self._row_positions)  # fmt: skip
+                                    encoder_length=encoder_length, row_positions=row_positions)  # fmt: skip
         except BaseException:
             self._restore_model()
             raise
@@ -176,20 +182,17 @@ class Engine:
         batch = self._batch
         with self._lock:
             return EngineStats(
-                decoding=len(batch.seats),
-                waiting=len(self._waiting),
-                held=self._held,
-                steps=batch.steps,
-                slot=batch.slot,
-                moves=batch.moves,
-                joins=batch.joins,
+                decoding=len(batch.seats), waiting=len(self._waiting), held=self._held,
+                steps=batch.steps, slot=batch.slot, moves=batch.moves, joins=batch.joins,
                 join_seconds=self._join_seconds,
                 step_seconds=self._step_seconds,
                 prefill_seconds=batch.prefill_seconds,
                 collect_seconds=self._collect_seconds,
                 programs=len(batch.programs),
                 prefills=batch.prefills,
-            )
+                encoder_calls=0 if self._encoders is None else self._encoders.calls,
+                encoder_forwards=0 if self._encoders is None else self._encoders.forwards,
+            )  # fmt: skip
 
     def close(self, *, wait: bool = True) -> None:
         """Take no new requests; requests already decoding finish, the others fail with `EngineClosedError`."""
@@ -215,12 +218,9 @@ class Engine:
         self.close()
 
     def __repr__(self) -> str:
-        stats = self.stats()
-        return (
-            f"Engine({type(self._model).__name__}, rows={len(self._batch.slots)}, "
-            f"max_length={self._batch.max_length}, "
-            f"decoding={stats.decoding}, waiting={stats.waiting})"
-        )
+        stats, batch = self.stats(), self._batch
+        return (f"Engine({type(self._model).__name__}, rows={len(batch.slots)}, max_length={batch.max_length}, "
+                f"decoding={stats.decoding}, waiting={stats.waiting})")  # fmt: skip
 
     # -- a request's thread ---------------------------------------------------------------------------------
 
@@ -258,7 +258,8 @@ class Engine:
                 return self._decode(request, model, input_ids, **arguments)
 
             kwargs = with_stop_string_criteria(request.kwargs, merged_config(self._model, request.kwargs))
-            output = type(self._model).generate(self._model, **kwargs, custom_generate=method)
+            with self._encoders.gathering() if self._encoders is not None else contextlib.nullcontext():
+                output = type(self._model).generate(self._model, **kwargs, custom_generate=method)
         except BaseException as error:
             self._release(request)
             resolve(request.future, error=error)
@@ -305,13 +306,10 @@ class Engine:
             self._restore_model()
 
     def _restore_model(self) -> None:
-        """Undo what the engine changed on its model for its rows: the attention switch, the row positions."""
-        if self._attention is not None:
-            self._attention.restore()
-            self._attention = None
-        if self._row_positions is not None:
-            self._row_positions.restore()
-            self._row_positions = None
+        """Undo what the engine changed on its model: the attention switch, the row positions, the encoder's
+        gathering."""
+        while self._restores:
+            self._restores.pop()()
 
     def _fail_engine(self, cause: BaseException) -> None:
         """Close the engine for `cause`: new submits are refused, and every request it holds fails with an

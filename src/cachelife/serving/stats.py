@@ -13,7 +13,9 @@ class EngineStats:
     seconds spent so far admitting newcomers (prefill, placement, first token) and running steps (calls of the
     step, hand-backs). Of those, `prefill_seconds` went to the newcomers' prefills and `collect_seconds` to
     reading the rows' lengths and end flags after each call of the step (which waits for the device to finish
-    it) and handing tokens over. `prefills` counts the forwards over newcomers' prompts (`joint_prefill`)."""
+    it) and handing tokens over. `prefills` counts the forwards over newcomers' prompts (`joint_prefill`),
+    `encoder_forwards` those over the `encoder_calls` of newcomers' encoders (`encoder_calls`): fewer forwards
+    than calls is encoders run together."""
 
     decoding: int
     waiting: int
@@ -28,3 +30,5 @@ class EngineStats:
     collect_seconds: float
     programs: int  # programs the batch keeps (the per-row pipeline's variants and programs of their own)
     prefills: int
+    encoder_calls: int = 0  # newcomers' encoder calls gathered (`encoder_calls`), and the forwards that ran them
+    encoder_forwards: int = 0
