@@ -168,6 +168,16 @@ _ENTRIES = (
         "cpu", "serving-load-tiny-engine-cpu-*.json",
     ),
     Benchmark(
+        "serving-load-http-cpu", "bench.serving_load",
+        ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--target", "http", "--concurrency", "1,4",
+         "--rate", "50", "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32",
+         "--new-tokens", "4,16", "--bad-share", "0.1"),
+        "the serving-load-cpu load over HTTP: the same engine in cachelife's Ray Serve app on a local Ray (a free "
+        "port), every request a streamed POST /v1/completions, a tenth of them invalid in the HTTP ways (bad "
+        "fields, malformed JSON); needs the serve extra",
+        "cpu", "serving-load-tiny-http-cpu-*.json",
+    ),
+    Benchmark(
         "soak-cpu", "bench.soak", ("--device", "cpu", "--calls", "200"),
         "200 generate calls, tiny T5, eager forward, on the CPU: memory flat, tokens equal eager (what "
         "`nox -s soak` runs)",

@@ -23,7 +23,9 @@ time, untimed. Per run: requests completed, failed (a good request refused or br
 503, an error event in a stream, any other exception), wall seconds, output tokens and requests per second, and
 over the completed requests milliseconds (p50, p99, max, mean) of time to first token (TTFT), time per output
 token (TPOT: (latency - TTFT) / (tokens - 1)), inter-token latency (ITL: every gap between a request's tokens) and
-end-to-end latency. Writes `<out>/serving-load-<model>-<target>-<device>-<date>-tf<version>.json`.
+end-to-end latency. The tokens the first `--verdicts` completed requests of each run got (over HTTP, read back
+from their words) are judged against transformers (`bench.verdict`). Writes
+`<out>/serving-load-<model>-<target>-<device>-<date>-tf<version>.json`.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Outcome:
     token_times: tuple[float, ...]
     ended: float
     detail: str = ""
+    tokens: tuple[int, ...] = ()  # the new tokens it got
 
 
 Send = Callable[[Planned], Outcome]
@@ -132,10 +135,12 @@ def arrivals(requests: Sequence[Planned], rate: float, seed: int) -> list[Planne
     return [attrs.evolve(request, arrival_s=at) for request, at in zip(requests, times, strict=True)]
 
 
-def outcome(request: Planned, reply: Reply, sent: float, token_times: Sequence[float], detail: str = "") -> Outcome:
+def outcome(request: Planned, reply: Reply, sent: float, token_times: Sequence[float], detail: str = "", *,
+            tokens: Sequence[int] = ()) -> Outcome:  # fmt: skip
     """The request's outcome, ended now."""
     return Outcome(request=request, answer=ANSWERS[request.bad is not None, reply], server_error=reply == "error",
-                   sent=sent, token_times=tuple(token_times), ended=time.perf_counter(), detail=detail)  # fmt: skip
+                   sent=sent, token_times=tuple(token_times), ended=time.perf_counter(), detail=detail,
+                   tokens=tuple(tokens))  # fmt: skip
 
 
 def run_load(send: Send, requests: Sequence[Planned], *, clients: int) -> tuple[list[Outcome], float]:
@@ -178,14 +183,14 @@ def engine_request(engine: Engine, device: torch.device, request: Planned) -> Ou
         arguments["input_ids"] = [list(request.prompt)]
     streamer, sent = TokenTimes(), time.perf_counter()
     try:
-        engine.submit(**arguments, streamer=streamer).result()
+        sequence = engine.submit(**arguments, streamer=streamer).result()
     except QueueFullError as error:
         return outcome(request, "rejected", sent, streamer.times, repr(error))
     except (InvalidArgumentError, UnsupportedGenerationError) as error:
         return outcome(request, "refused", sent, streamer.times, repr(error))
     except Exception as error:  # any other failure is the engine's: counted, not raised
         return outcome(request, "error", sent, streamer.times, repr(error))
-    return outcome(request, "tokens", sent, streamer.times)
+    return outcome(request, "tokens", sent, streamer.times, tokens=sequence[0, len(request.prompt) :].tolist())
 
 
 def http_request(port: int, model_name: str, request: Planned) -> Outcome:
@@ -199,6 +204,7 @@ def http_request(port: int, model_name: str, request: Planned) -> Outcome:
         data = data[:-1]  # the closing brace cut off
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     times: list[float] = []
+    tokens: list[int] = []
     sent = time.perf_counter()
     try:
         connection.request("POST", COMPLETIONS, body=data, headers={"Content-Type": "application/json"})
@@ -213,8 +219,10 @@ def http_request(port: int, model_name: str, request: Planned) -> Outcome:
             event = json.loads(line.removeprefix(b"data: "))
             if "error" in event:
                 return outcome(request, "error", sent, times, f"an error event: {event['error']!r:.300}")
-            times.extend([time.perf_counter()] * len(event["choices"][0]["text"].split()))
-        return outcome(request, "tokens", sent, times)
+            new = IdWords().encode(event["choices"][0]["text"])
+            times.extend([time.perf_counter()] * len(new))
+            tokens.extend(new)
+        return outcome(request, "tokens", sent, times, tokens=tokens)
     except (OSError, http.client.HTTPException, ValueError) as error:
         return outcome(request, "error", sent, times, repr(error))
     finally:
@@ -350,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps-per-call", type=int, default=1)
     parser.add_argument("--eager-step", action="store_true", help="the engine's step uncompiled")
     parser.add_argument("--warmup", type=int, default=4, help="good requests sent one at a time before timing")
-    parser.add_argument("--verdicts", type=int, default=4, help="good requests judged against transformers")
+    parser.add_argument("--verdicts", type=int, default=4, help="answers of each run judged against transformers")
     args = parser.parse_args(argv)
     device, dtype = pick_device(args.device), getattr(torch, args.dtype)
     runs: list[tuple[str, float]] = [("concurrency", int(n)) for n in args.concurrency.split(",") if n]
@@ -373,32 +381,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(outcome.answer != "completed" for outcome in warm):
             msg = f"the warm-up's requests did not all complete: {[outcome.detail for outcome in warm]}"
             raise RuntimeError(msg)
+        judged: list[Outcome] = []
         for mode, value in runs or [("concurrency", 16)]:
             timed = requests if mode == "concurrency" else arrivals(requests, value, args.seed)
             clients = int(value) if mode == "concurrency" else args.max_concurrency or len(requests)
             outcomes, wall = run_load(send, timed, clients=clients)
             limit = {"max_concurrency": args.max_concurrency} if mode == "rate" else {}  # None: no limit
             out.add({"mode": mode, mode: value, **limit, **summary(outcomes, wall)})
-    if args.target == "engine" and args.verdicts:
-        out.put("verdict", verdict(args.model, device, dtype, options, requests=requests, count=args.verdicts))
+            judged += [outcome for outcome in outcomes if outcome.answer == "completed"][: args.verdicts]
+    if judged:
+        out.put("verdict", verdict(args.model, device, dtype, judged))
     out.finish()
     return 0
 
 
-def verdict(model_name: str, device: torch.device, dtype: torch.dtype, options: dict[str, Any], *,
-            requests: Sequence[Planned], count: int) -> dict[str, Any]:  # fmt: skip
-    """The verdict against transformers (bench.verdict, tokens) on the first `count` good requests, decoded
-    by an engine of the timed one's options."""
-    model, _ = served_model(model_name, device, dtype)
-    good = [request for request in requests if request.bad is None][:count]
-    prompts = [torch.tensor([request.prompt], device=device) for request in good]
-    with Engine(model, **options) as engine:
-        pairs = zip(prompts, good, strict=True)
-        futures = [engine.submit(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=request.new_tokens) for ids, request in pairs]  # fmt: skip
-        outputs = [future.result() for future in futures]
-    return judge_requests(model, [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tokens)
-                                  for ids, tokens in zip(prompts, outputs, strict=True)])  # fmt: skip
+def verdict(model_name: str, device: torch.device, dtype: torch.dtype, judged: Sequence[Outcome]) -> dict[str, Any]:
+    """The verdict against transformers (bench.verdict, tokens) on the tokens the load's requests got."""
+    model, _ = served_model(model_name, device, dtype)  # the served weights: seeded
+    decoded = []
+    for answer in judged:
+        ids = torch.tensor([answer.request.prompt], device=device)
+        sequence = torch.cat([ids, torch.tensor([answer.tokens], dtype=ids.dtype, device=device)], dim=1)
+        decoded.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, sequence))
+    return judge_requests(model, decoded)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from bench.serving_load import (
@@ -25,6 +26,7 @@ from bench.serving_load import (
     run_load,
     summary,
     target,
+    verdict,
 )
 from bench.timing import milliseconds, percentile
 
@@ -131,6 +133,16 @@ def test_the_engine_completes_every_good_request_and_refuses_every_bad_one(clien
     assert wall >= timed[-1].arrival_s
 
 
+def test_the_verdict_reads_the_tokens_each_request_got() -> None:
+    requests = [request for request in plan(6, seed=0, **SHAPES) if request.bad is None][:3]
+    with target("engine", "tiny", CPU, torch.float32, ENGINE) as send:
+        outcomes, _ = run_load(send, requests, clients=3)
+    assert all(len(outcome.tokens) == outcome.request.new_tokens for outcome in outcomes)
+    assert verdict("tiny", CPU, torch.float32, outcomes)["tokens_agree_with_transformers"]
+    wrong = attrs.evolve(outcomes[1], tokens=tuple((token + 1) % 64 for token in outcomes[1].tokens))
+    assert not verdict("tiny", CPU, torch.float32, [outcomes[0], wrong])["tokens_agree_with_transformers"]
+
+
 def test_a_full_queue_is_counted_as_rejected_not_as_failed() -> None:
     requests = plan(24, seed=0, **SHAPES)
     with target("engine", "tiny", CPU, torch.float32, {**ENGINE, "rows": 1, "queue_size": 0}) as send:
@@ -169,5 +181,7 @@ def test_the_http_server_streams_every_good_request_and_answers_every_bad_one_4x
         outcomes, _ = run_load(send, requests, clients=4)
         counted = check_every_answer(outcomes, requests)
         assert set(counted["bad_by_kind"]) == set(BAD_KINDS["http"])
+        answered = [outcome for outcome in outcomes if outcome.answer == "completed"][:4]
+        assert verdict("tiny", CPU, torch.float32, answered)["tokens_agree_with_transformers"]  # words read back
         timed = arrivals(requests, 100.0, seed=0)
         check_every_answer(run_load(send, timed, clients=len(timed))[0], timed)
