@@ -20,6 +20,8 @@ random features) are served, per path:
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
+- `engine_encoders_alone` (encoder-decoder): `engine` with every newcomer's encoder run alone in its request's
+  thread (encoder calls that arrive together share one forward otherwise: `cachelife.serving.encoder_calls`);
 - `engine_decode` and `engine_model_attention`: `engine` with cachelife's decode attention kernel in the rows
   (`Engine(attention="decode")`, `cachelife.serving.step_attention`: each row reads the slots it attends), and
   with the model's own attention (`attention="model"`: SDPA over the whole cache for every row), where `engine`
@@ -53,6 +55,7 @@ import pstats
 import sys
 import threading
 import time
+import unittest.mock
 from collections.abc import Callable, Iterator
 from typing import Any, Final, cast
 
@@ -66,6 +69,7 @@ from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, milliseconds, synchronize
 from bench.verdict import judge_requests
+from cachelife.serving import engine as engine_module
 from cachelife.serving.engine import Engine
 from cachelife.serving.joint_prefill import JointPrefill
 from cachelife.serving.prefill import Prefill
@@ -229,6 +233,12 @@ def one_prefill_each() -> Iterator[None]:
         JointPrefill.takes = takes  # type: ignore[method-assign]
 
 
+def encoders_alone() -> contextlib.AbstractContextManager[Any]:
+    """Engines made within run every newcomer's encoder alone (what the engine did before it gathered encoder
+    calls): a benchmark's instrument, for the side-by-side comparison."""
+    return unittest.mock.patch.object(engine_module, "gather_encoder_calls", return_value=None)
+
+
 @contextlib.contextmanager
 def eager_prefills() -> Iterator[None]:
     """Engines made within prefill every newcomer with transformers' eager prefill (what a decoder-only model's
@@ -278,6 +288,8 @@ def engine_runs(
                      **({"equal_to_sequential": all(same), "requests_equal": sum(same)} if reference else {}),
                      "steps": after.steps - before.steps, "joins": after.joins - before.joins,
                      "prefills": after.prefills - before.prefills,
+                     "encoder_calls": after.encoder_calls - before.encoder_calls,
+                     "encoder_forwards": after.encoder_forwards - before.encoder_forwards,
                      "programs": after.programs,
                      "scheduler_join_s": round(after.join_seconds - before.join_seconds, 4),
                      "scheduler_prefill_s": round(after.prefill_seconds - before.prefill_seconds, 4),
@@ -381,10 +393,10 @@ def main() -> int:
         wall, latencies, reference, firsts = one_at_a_time(ours, requests, device, ttft=args.ttft)
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
-        if path in (*ATTENTIONS, "engine_eager_prefill", "engine_cudnn", "engine_one_prefill"):
+        instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
+                      "engine_one_prefill": one_prefill_each, "engine_encoders_alone": encoders_alone}  # fmt: skip
+        if path in (*ATTENTIONS, *instrument):
             label = path if path not in paths[:index] else f"{path}_again"
-            instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
-                          "engine_one_prefill": one_prefill_each}  # fmt: skip
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)
             with instrument.get(path, contextlib.nullcontext)():
                 engine_runs(

@@ -71,11 +71,12 @@ _ENTRIES = (
     Benchmark(
         "engine-whisper-throughput", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16",
-         "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths", "engine,engine_model_attention",
-         "--ttft"),
+         "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths",
+         "engine,engine_encoders_alone,engine_model_attention", "--ttft"),
         "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 48 requests of 96 new tokens "
         "from 1 and 16 clients, every request streamed (time to first token p50/p99 against a lone request's), "
-        "the engine's default (the decode attention kernel in the rows) against the model's SDPA",
+        "the engine's default (the decode attention kernel in the rows, newcomers' encoders run together) against "
+        "each newcomer's encoder alone and against the model's SDPA",
         "cuda", "engine-whisper-large-v3-ttft-*cuda*.json",
     ),
     Benchmark(
