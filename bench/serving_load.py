@@ -18,11 +18,13 @@ request submitted from a client thread with a streamer timing each token; `http`
 `cachelife.serving.ray_serve.application` on a local Ray Serve (a free port; a GPU on CUDA), each request a streamed
 `POST /v1/completions` over the standard library's HTTP whose server-sent events are timed as they come (the
 stand-in tokenizer writes each token as one word: an event per token). `--warmup` good requests go first, one at a
-time, untimed. Per run: requests completed, failed (a good request refused or broken), rejected (the queue full:
-`QueueFullError`, 503, 429), bad requests answered correctly and wrongly (and per kind), server errors (a 5xx but
-503, an error event in a stream, any other exception), wall seconds, output tokens and requests per second, and
-over the completed requests milliseconds (p50, p99, max, mean) of time to first token (TTFT), time per output
-token (TPOT: (latency - TTFT) / (tokens - 1)), inter-token latency (ITL: every gap between a request's tokens) and
+time, then `--warmup` rounds of `--rows` good requests from `--rows` clients at once (so that newcomers' shared
+prefills of every group size are compiled, as a service warms up before it takes traffic), untimed. Per run:
+requests completed, failed (a good request refused or broken), rejected (the queue full: `QueueFullError`, 503,
+429), bad requests answered correctly and wrongly (and per kind), server errors (a 5xx but 503, an error event in a
+stream, any other exception), wall seconds, output tokens and requests per second, and over the completed requests
+milliseconds (p50, p99, max, mean) of time to first token (TTFT), time per output token (TPOT: (latency - TTFT) /
+(tokens - 1)), inter-token latency (ITL: every gap between a request's tokens) and
 end-to-end latency. The tokens the first `--verdicts` completed requests of each run got (over HTTP, read back
 from their words) are judged against transformers (`bench.verdict`). Writes
 `<out>/serving-load-<model>-<target>-<device>-<date>-tf<version>.json`.
@@ -357,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queue-size", type=int, default=64)
     parser.add_argument("--steps-per-call", type=int, default=1)
     parser.add_argument("--eager-step", action="store_true", help="the engine's step uncompiled")
-    parser.add_argument("--warmup", type=int, default=4, help="good requests sent one at a time before timing")
+    parser.add_argument("--warmup", type=int, default=4, help="warm-up requests alone, and rounds of --rows at once")
     parser.add_argument("--verdicts", type=int, default=4, help="answers of each run judged against transformers")
     args = parser.parse_args(argv)
     device, dtype = pick_device(args.device), getattr(torch, args.dtype)
@@ -378,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     })  # fmt: skip
     with target(args.target, args.model, device, dtype, options) as send:
         warm, _ = run_load(send, plan(args.warmup, seed=args.seed + 1, **shapes), clients=1)
+        for round_ in range(args.warmup):
+            together = plan(args.rows, seed=args.seed + 2 + round_, **shapes)
+            warm += run_load(send, together, clients=args.rows)[0]
         if any(outcome.answer != "completed" for outcome in warm):
             msg = f"the warm-up's requests did not all complete: {[outcome.detail for outcome in warm]}"
             raise RuntimeError(msg)
