@@ -179,6 +179,16 @@ _ENTRIES = (
         "cpu", "serving-load-tiny-http-cpu-*.json",
     ),
     Benchmark(
+        "engine-encoders-cpu", "bench.engine",
+        ("--device", "cpu", "--model", "whisper-small", "--dtype", "float32", "--clients", "8", "--requests", "32",
+         "--rows", "8", "--new-tokens", "8,16", "--ttft", "--paths",
+         "engine_encoders_alone,engine,engine_encoders_alone,engine"),
+        "cachelife.Engine (8 rows, 8 clients) on a small Whisper on the CPU, float32: newcomers' encoders run "
+        "together (the default) against each alone, twice each in turn; throughput, time to first token, the "
+        "encoder forwards, and every request's tokens against cachelife.generate's",
+        "cpu", "engine-whisper-small-ttft-cpu-*.json",
+    ),
+    Benchmark(
         "soak-cpu", "bench.soak", ("--device", "cpu", "--calls", "200"),
         "200 generate calls, tiny T5, eager forward, on the CPU: memory flat, tokens equal eager (what "
         "`nox -s soak` runs)",
