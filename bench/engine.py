@@ -298,10 +298,18 @@ def engine_runs(
 
 
 def judged(model: PreTrainedModel, requests: list[Request], outputs: list[torch.Tensor], count: int) -> Request:
-    """The verdict against transformers (bench.verdict, tokens only: the engine returns no logits) on the first
-    `count` greedy requests of a decoder-only model; nothing otherwise (Whisper's processors suppress tokens)."""
-    if model.config.is_encoder_decoder or count == 0 or any(r.get("num_beams", 1) > 1 for r in requests):
+    """The verdict against transformers on the first `count` greedy requests: for a decoder-only model
+    bench.verdict's (tokens only: the engine returns no logits); for an encoder-decoder model in float32, whether
+    its tokens equal `model.generate`'s (its processors, Whisper's token rules among them, suppress tokens, which
+    the raw greedy verdict does not model); nothing otherwise."""
+    if count == 0 or any(r.get("num_beams", 1) > 1 for r in requests):
         return {}
+    if model.config.is_encoder_decoder:
+        if model.dtype != torch.float32:
+            return {}
+        pairs = zip(requests[:count], outputs[:count], strict=True)
+        same = [torch.equal(got, zoo.generate_tokens(model, request)) for request, got in pairs]
+        return {"verdict_requests": len(same), "tokens_equal_transformers": all(same)}
     found = judge_requests(model, list(zip(requests[:count], outputs[:count], strict=True)))
     return {"verdict_requests": found.pop("requests"), **found}
 
