@@ -18,8 +18,7 @@ request submitted from a client thread with a streamer timing each token; `http`
 `cachelife.serving.ray_serve.application` on a local Ray Serve (a free port; a GPU on CUDA), each request a streamed
 `POST /v1/completions` over the standard library's HTTP whose server-sent events are timed as they come (the
 stand-in tokenizer writes each token as one word: an event per token). `--warmup` good requests go first, one at a
-time, then `--warmup` rounds of `--rows` good requests from `--rows` clients at once (so that newcomers' shared
-prefills of every group size are compiled, as a service warms up before it takes traffic), untimed. Per run:
+time, untimed, after the engine's own warm-up (`Engine.warm_up`; over HTTP the replica's). Per run:
 requests completed, failed (a good request refused or broken), rejected (the queue full: `QueueFullError`, 503,
 429), bad requests answered correctly and wrongly (and per kind), server errors (a 5xx but 503, an error event in a
 stream, any other exception), wall seconds, output tokens and requests per second, and over the completed requests
@@ -300,6 +299,8 @@ def target(kind: str, model_name: str, device: torch.device, dtype: torch.dtype,
     if kind == "engine":
         model, _ = factory()
         with Engine(model, **engine_options) as engine:
+            ids = torch.arange(3, 19, device=model.device)[None] % int(model.config.vocab_size)
+            engine.warm_up(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False)  # as Ray's replica
             yield functools.partial(engine_request, engine, model.device)
         return
     num_gpus = 1 if device.type == "cuda" else 0
@@ -359,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queue-size", type=int, default=64)
     parser.add_argument("--steps-per-call", type=int, default=1)
     parser.add_argument("--eager-step", action="store_true", help="the engine's step uncompiled")
-    parser.add_argument("--warmup", type=int, default=4, help="warm-up requests alone, and rounds of --rows at once")
+    parser.add_argument("--warmup", type=int, default=4, help="good requests sent one at a time before timing")
     parser.add_argument("--verdicts", type=int, default=4, help="answers of each run judged against transformers")
     args = parser.parse_args(argv)
     device, dtype = pick_device(args.device), getattr(torch, args.dtype)
@@ -380,9 +381,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     })  # fmt: skip
     with target(args.target, args.model, device, dtype, options) as send:
         warm, _ = run_load(send, plan(args.warmup, seed=args.seed + 1, **shapes), clients=1)
-        for round_ in range(args.warmup):
-            together = plan(args.rows, seed=args.seed + 2 + round_, **shapes)
-            warm += run_load(send, together, clients=args.rows)[0]
         if any(outcome.answer != "completed" for outcome in warm):
             msg = f"the warm-up's requests did not all complete: {[outcome.detail for outcome in warm]}"
             raise RuntimeError(msg)

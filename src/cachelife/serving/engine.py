@@ -51,6 +51,7 @@ from cachelife.serving.requests import Joining, Request, check_timeout, hand_bac
 from cachelife.serving.stats import EngineStats
 from cachelife.serving.step_attention import StepAttention, check_attention, switch_attention
 from cachelife.serving.streaming import tokens_as_they_come
+from cachelife.serving.warm_up import AdmissionGate, warm_up
 from cachelife.validate import check_int
 
 logger = logging.getLogger(__name__)
@@ -70,20 +71,11 @@ class Engine:
     model was enabled with, as `cachelife.generate`'s does."""
 
     def __init__(
-        self,
-        model: PreTrainedModel,
-        *,
-        rows: int = 8,
-        max_length: int = 256,
-        queue_size: int = 64,
-        prepare_ahead: int = 2,
-        steps_per_call: int = 1,
-        compile_step: bool = True,
-        cuda_graphs: CudaGraphs = "cachelife",
-        encoder_length: int | None = None,
-        timeout: float | None = None,
+        self, model: PreTrainedModel, *, rows: int = 8, max_length: int = 256, queue_size: int = 64,
+        prepare_ahead: int = 2, steps_per_call: int = 1, compile_step: bool = True,
+        cuda_graphs: CudaGraphs = "cachelife", encoder_length: int | None = None, timeout: float | None = None,
         attention: StepAttention = "auto",
-    ) -> None:
+    ) -> None:  # fmt: skip
         check_model(model)
         check_int("rows", rows)
         check_int("max_length", max_length)
@@ -116,6 +108,7 @@ class Engine:
         self._waiting: deque[Joining] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._gate = AdmissionGate(self._wake, lambda: len(self._waiting))
         self._closed = False
         self._failure: BaseException | None = None  # why the scheduler failed, once it has
         self._held_requests: dict[int, Request] = {}
@@ -177,6 +170,11 @@ class Engine:
             raise InvalidArgumentError(msg)
         check_submitted(self._model, kwargs, self._batch, streamed=True)  # before the first iteration runs
         return tokens_as_they_come(functools.partial(self.submit, generator=generator, timeout=timeout), **kwargs)
+
+    def warm_up(self, **example: Any) -> None:
+        """Compile (on CUDA, capture) what requests like `example` (what `submit` takes) will need, before they
+        come: copies of it alone and in groups, as traffic reaches the engine (`warm_up`). Blocks until done."""
+        warm_up(self.submit, self._gate, group_sizes=tuple(self._batch.joint.scratches), example=example)
 
     def stats(self) -> EngineStats:
         batch = self._batch
@@ -340,13 +338,15 @@ class Engine:
         """Admit newcomers, run one call of the step, hand back what ended; False once closed and drained."""
         batch = self._batch
         with self._wake:
-            while not self._waiting and not batch.seats and not self._closed:
+            while not (self._waiting and self._gate.open) and not batch.seats and not self._closed:
                 self._wake.wait()
+            admitting = self._gate.open
             if self._closed and not batch.seats:
                 return False
         try:
             started = time.perf_counter()
-            self._admit()
+            if admitting:
+                self._admit()
             admitted = time.perf_counter()
             batch.advance()
             advanced = time.perf_counter()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
@@ -74,7 +75,9 @@ Factory = Callable[[], tuple[PreTrainedModel, Tokenizer | AudioProcessor]]
 class Replica:
     """One Serve replica: the factory's model and tokenizer or processor, one `Engine`, OpenAI's endpoints."""
 
-    def __init__(self, factory: Factory, model_name: str, engine_options: Mapping[str, Any]) -> None:
+    def __init__(
+        self, factory: Factory, model_name: str, engine_options: Mapping[str, Any], warm_up: bool = True
+    ) -> None:
         model, helper = factory()
         self._model, self._name = model, model_name
         self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
@@ -107,7 +110,19 @@ class Replica:
         end = model.generation_config.eos_token_id
         self._end_ids = frozenset([end] if isinstance(end, int) else end or ())
         self._engine = Engine(model, **engine_options)
+        if warm_up and ("POST", COMPLETIONS) in self._routes:
+            self._warm_up(model, helper, parsers[COMPLETIONS], engine_options)
         logger.info("serving %s on %s at %s", model_name, model.device, ", ".join(p for _, p in self._routes))
+
+    def _warm_up(self, model: PreTrainedModel, tokenizer: Any, parse: Callable[[bytes], Completion],
+                 engine_options: Mapping[str, Any]) -> None:  # fmt: skip
+        """Compile what completions need before the replica takes traffic (`Engine.warm_up`): a greedy and a
+        sampled completion of a short prompt as examples."""
+        max_length = engine_options.get("max_length", inspect.signature(Engine).parameters["max_length"].default)
+        prompt = [token % int(model.config.vocab_size) for token in range(3, 3 + max(1, min(16, max_length // 4)))]
+        for temperature in (0, 1):
+            body = {"model": self._name, "prompt": prompt, "max_tokens": 2, "temperature": temperature}
+            self._engine.warm_up(**completion_kwargs(parse(json.dumps(body).encode()), model.device, tokenizer))
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
@@ -260,6 +275,7 @@ def application(
     num_gpus: float = 0,
     num_replicas: int = 1,
     autoscaling_config: Mapping[str, Any] | None = None,
+    warm_up: bool = True,
     **engine_options: Any,
 ) -> Application:
     """A Serve application of the model `factory()` builds, named `name`; `serve.run(application(...))` serves it.
@@ -268,7 +284,9 @@ def application(
     `queue_size`, `compile_step`, ...), and takes as many requests at once as that engine holds (`rows +
     queue_size`). `num_gpus=1` gives each replica a GPU of its own (the factory then puts the model on "cuda").
     `num_replicas` replicas, or with `autoscaling_config` (Serve's: `min_replicas`, `max_replicas`,
-    `target_ongoing_requests`, ...) as many as the load asks for.
+    `target_ongoing_requests`, ...) as many as the load asks for. With `warm_up` a text model's replica runs a
+    greedy and a sampled completion through `Engine.warm_up` before it takes traffic, so that the first requests
+    do not wait for compilations.
     """
     defaults = inspect.signature(Engine).parameters
     rows, queue_size = (engine_options.get(key, defaults[key].default) for key in ("rows", "queue_size"))
@@ -281,4 +299,4 @@ def application(
         options["num_replicas"] = check_int("num_replicas", num_replicas)
     else:
         options["autoscaling_config"] = dict(autoscaling_config)
-    return serve.deployment(**options)(Replica).bind(factory, name, engine_options)
+    return serve.deployment(**options)(Replica).bind(factory, name, engine_options, warm_up)
