@@ -3,6 +3,8 @@ requests after it compile nothing."""
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -16,6 +18,10 @@ from cachelife.tools import zoo
 
 def example(built: zoo.ZooModel, length: int, seed: int) -> dict[str, Any]:
     return {**built.inputs(1, length, seed), "max_new_tokens": 6}
+
+
+def submitted(engine: Engine, requests: list[dict[str, Any]]) -> list[Future[Any]]:
+    return [engine.submit(**request) for request in requests]
 
 
 def test_the_warm_up_prefills_alone_at_two_lengths_and_every_group_size_at_once() -> None:
@@ -56,8 +62,8 @@ def test_after_the_warm_up_newcomers_alone_and_together_compile_nothing() -> Non
         for length in (7, 15, 4):
             engine.submit(**example(built, length, length)).result(timeout=300)
             for extras in ((1, 3), (2, 2)):  # prompts of other lengths (one of them left-padded), of one length
-                pair = engine._gate.at_once(lambda extras=extras, length=length: [
-                    engine.submit(**example(built, length + extra, extra)) for extra in extras])  # fmt: skip
+                requests = [example(built, length + extra, extra) for extra in extras]
+                pair = engine._gate.at_once(functools.partial(submitted, engine, requests))
                 for future in pair:
                     future.result(timeout=300)
         stats = engine.stats()
