@@ -34,6 +34,11 @@ class Benchmark:
         return ("-m", self.module, *self.arguments)
 
 
+# The CPU serving load, in-process or over HTTP: a Llama of toy sizes, 4 rows, 128 requests, a tenth invalid.
+_TINY_LOAD = ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--concurrency", "1,4", "--rate", "50",
+              "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32", "--new-tokens",
+              "4,16", "--bad-share", "0.1")  # fmt: skip
+
 _ENTRIES = (
     # -- CUDA: the GPU suite's benchmark stages (bench/gpu_suite.py), each writing to --out/<name> ---------------
     # One decoding step of cachelife.generate against transformers' auto-compile, each figure with its verdict
@@ -159,20 +164,14 @@ _ENTRIES = (
         "cpu", "planted-bugs-cpu-*.json",
     ),
     Benchmark(
-        "serving-load-cpu", "bench.serving_load",
-        ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--target", "engine", "--concurrency", "1,4",
-         "--rate", "50", "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32",
-         "--new-tokens", "4,16", "--bad-share", "0.1"),
+        "serving-load-cpu", "bench.serving_load", ("--target", "engine", *_TINY_LOAD),
         "serving load on cachelife.Engine (4 rows) in-process on the CPU, a Llama of toy sizes, fp32, greedy: "
         "128 requests, a tenth of them invalid, from 1 and 4 clients in a closed loop and at 50 requests a second "
         "(Poisson arrivals); latency spreads, throughput, bad requests refused, server errors",
         "cpu", "serving-load-tiny-engine-cpu-*.json",
     ),
     Benchmark(
-        "serving-load-http-cpu", "bench.serving_load",
-        ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--target", "http", "--concurrency", "1,4",
-         "--rate", "50", "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32",
-         "--new-tokens", "4,16", "--bad-share", "0.1"),
+        "serving-load-http-cpu", "bench.serving_load", ("--target", "http", *_TINY_LOAD),
         "the serving-load-cpu load over HTTP: the same engine in cachelife's Ray Serve app on a local Ray (a free "
         "port), every request a streamed POST /v1/completions, a tenth of them invalid in the HTTP ways (bad "
         "fields, malformed JSON); needs the serve extra",

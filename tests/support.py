@@ -1,5 +1,5 @@
-"""Helpers the tests share: waiting for an engine's state, one request decoded alone, and requests of several
-sampled sequences."""
+"""Helpers the tests share: waiting for an engine's state, one request decoded alone, requests of several
+sampled sequences, and tiny encoder-decoder models of transformers' families by name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from transformers import PreTrainedModel
 
 import cachelife
@@ -48,3 +49,22 @@ def several_sequence_requests(built: zoo.ZooModel, count: int) -> list[dict[str,
             request["num_return_sequences"] = 2 + index % 3
         requests.append(request)
     return requests
+
+
+def family_model(family: str) -> PreTrainedModel:
+    """A tiny seeded encoder-decoder model of the family named by its transformers class prefix (`<prefix>Config`,
+    `<prefix>ForConditionalGeneration`; Marian's is `MarianMTModel`)."""
+    config_class = getattr(transformers, f"{family}Config")
+    model_class = getattr(transformers, "MarianMTModel" if family == "Marian" else f"{family}ForConditionalGeneration")
+    torch.manual_seed(0)
+    if family in {"T5", "MT5"}:
+        config = config_class(vocab_size=320, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    else:
+        config = config_class(
+            vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        )  # fmt: skip
+    model: PreTrainedModel = model_class(config).eval()
+    return model

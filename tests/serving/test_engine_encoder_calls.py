@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from torch import nn
 from transformers import PreTrainedModel
 
 from cachelife.serving.encoder_calls import RIGHT_PADDED, EncoderCalls, gather_encoder_calls
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
-from support import until
+from support import family_model, until
 
 
 class HeldFirstForward:
@@ -62,24 +61,6 @@ def in_threads(calls: int, run: Callable[[int], None], held: HeldFirstForward, g
 def encoder_kwargs(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What transformers' `generate` passes the encoder for greedy search."""
     return {**inputs, "output_attentions": False, "output_hidden_states": False, "return_dict": True}
-
-
-def family_model(family: str) -> PreTrainedModel:
-    """A tiny model of the family named by its transformers class prefix, seeded."""
-    config_class = getattr(transformers, f"{family}Config")
-    model_class = getattr(transformers, "MarianMTModel" if family == "Marian" else f"{family}ForConditionalGeneration")
-    torch.manual_seed(0)
-    if family in {"T5", "MT5"}:
-        config = config_class(vocab_size=320, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
-    else:
-        config = config_class(
-            vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
-            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-        )  # fmt: skip
-    model: PreTrainedModel = model_class(config).eval()
-    return model
 
 
 # Every model type whose prompts are padded on the right to run together, by its transformers class prefix.

@@ -7,14 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from torch import nn
 from transformers import PreTrainedModel
 
 from cachelife.errors import UnsupportedGenerationError
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
-from support import alone
+from support import alone, family_model
 
 # Marian's checkpoints ban the pad token and search 4 beams: these requests ask for neither, so that the rows'
 # positions, not the processors, are what is tested (test_engine.py decodes Marian's own settings).
@@ -69,15 +68,7 @@ FAMILIES = ("MBart", "PLBart", "Pegasus", "Blenderbot", "BlenderbotSmall")
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_rest_of_the_family_decodes_in_the_rows_as_model_generate(family: str) -> None:
-    config_class = getattr(transformers, f"{family}Config")
-    model_class = getattr(transformers, f"{family}ForConditionalGeneration")
-    torch.manual_seed(0)
-    config = config_class(
-        vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-    )  # fmt: skip
-    model: PreTrainedModel = model_class(config).eval()
+    model = family_model(family)
     sharpen(model)
     batch: list[dict[str, Any]] = []
     for index in range(6):
