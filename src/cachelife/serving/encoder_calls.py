@@ -40,20 +40,20 @@ mask (checked for each by the engine's tests)."""
 _PADDED_INPUTS: Final = ("input_ids", "attention_mask")
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class _Call:
     kwargs: dict[str, Any]
     key: tuple[object, ...]
     length: int | None  # the prompt's own length, for calls padded on the right
-    output: Any = None  # what the encoder returned for this call (a ModelOutput)
-    error: BaseException | None = None
+    output: Any = field(default=None, init=False)  # what the encoder returned for this call (a ModelOutput)
+    error: BaseException | None = field(default=None, init=False)
 
     @property
     def done(self) -> bool:
         return self.output is not None or self.error is not None
 
 
-@define(eq=False)
+@define(eq=False, kw_only=True)
 class EncoderCalls:
     """An encoder whose forward gathers the calls of the threads inside `gathering()` until `restore()`."""
 
@@ -63,12 +63,12 @@ class EncoderCalls:
     gathered: Callable[..., Any] | None  # what stands in the encoder's forward, until `restore()`
     pad: int  # the token id under the mask of a padded prompt
     padded: bool  # whether prompts of other lengths fit together (RIGHT_PADDED)
-    calls: int = 0
-    forwards: int = 0
-    _waiting: list[_Call] = field(factory=list)
-    _running: bool = False
-    _turn: threading.Condition = field(factory=threading.Condition)
-    _inside: threading.local = field(factory=threading.local)
+    calls: int = field(default=0, init=False)
+    forwards: int = field(default=0, init=False)
+    _waiting: list[_Call] = field(factory=list, init=False)
+    _running: bool = field(default=False, init=False)
+    _turn: threading.Condition = field(factory=threading.Condition, init=False)
+    _inside: threading.local = field(factory=threading.local, init=False)
 
     @contextlib.contextmanager
     def gathering(self) -> Iterator[None]:
@@ -88,7 +88,7 @@ class EncoderCalls:
         key = None if args or not getattr(self._inside, "on", False) else self._key(kwargs)
         if key is None:
             return self.forward(*args, **kwargs)
-        call = _Call(kwargs, key, int(kwargs["input_ids"].shape[1]) if self._pads(key) else None)
+        call = _Call(kwargs=kwargs, key=key, length=int(kwargs["input_ids"].shape[1]) if self._pads(key) else None)
         with self._turn:
             self.calls += 1
             self._waiting.append(call)
