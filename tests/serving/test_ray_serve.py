@@ -283,7 +283,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_a_text_replica_warms_its_engine_up_before_it_takes_traffic() -> None:
+def test_a_replica_warms_its_engine_up_before_it_takes_traffic() -> None:
     pytest.importorskip("ray", reason="the serve extra (pip install -e '.[serve]') is not installed")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Using extra keyword arguments on `Field`", DeprecationWarning)
@@ -291,12 +291,14 @@ def test_a_text_replica_warms_its_engine_up_before_it_takes_traffic() -> None:
     options = {"rows": 2, "max_length": 64, "queue_size": 4, "compile_step": False}
     warmed = ray_serve.Replica(llama, "llama", options)  # the deployment's class, built here without Ray
     cold = ray_serve.Replica(llama, "llama", options, warm_up=False)
+    audio = ray_serve.Replica(whisper, "whisper", options)
     try:
         # A greedy and a sampled completion, each alone at two prompt lengths and in four groups of two.
         assert (warmed._engine.stats().joins, cold._engine.stats().joins) == (2 * (2 + 4 * 2), 0)
+        assert audio._engine.stats().joins == 1  # a transcription of silence (Whisper's encoder length is fixed)
     finally:
-        warmed._engine.close()
-        cold._engine.close()
+        for replica in (warmed, cold, audio):
+            replica._engine.close()
 
 
 @pytest.fixture(scope="module")

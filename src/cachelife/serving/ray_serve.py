@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from ray import serve
 from ray.serve import Application
 from starlette.requests import Request
@@ -110,7 +111,9 @@ class Replica:
         end = model.generation_config.eos_token_id
         self._end_ids = frozenset([end] if isinstance(end, int) else end or ())
         self._engine = Engine(model, **engine_options)
-        if warm_up and ("POST", COMPLETIONS) in self._routes:
+        if warm_up and isinstance(helper, AudioProcessor):
+            self._warm_up_audio(model, helper)
+        elif warm_up:
             self._warm_up(model, helper, parsers[COMPLETIONS], engine_options)
         logger.info("serving %s on %s at %s", model_name, model.device, ", ".join(p for _, p in self._routes))
 
@@ -123,6 +126,14 @@ class Replica:
         for temperature in (0, 1):
             body = {"model": self._name, "prompt": prompt, "max_tokens": 2, "temperature": temperature}
             self._engine.warm_up(**completion_kwargs(parse(json.dumps(body).encode()), model.device, tokenizer))
+
+    def _warm_up_audio(self, model: PreTrainedModel, processor: AudioProcessor) -> None:
+        """Compile what transcriptions need before the replica takes traffic (`Engine.warm_up`): a greedy
+        transcription of a second of silence as the example."""
+        extractor = processor.feature_extractor
+        silence = np.zeros(int(extractor.sampling_rate), dtype=np.float32)
+        features = extractor(silence, sampling_rate=extractor.sampling_rate, return_tensors="pt")["input_features"]
+        self._engine.warm_up(input_features=features.to(model.device, model.dtype), do_sample=False, task="transcribe")
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
@@ -284,9 +295,9 @@ def application(
     `queue_size`, `compile_step`, ...), and takes as many requests at once as that engine holds (`rows +
     queue_size`). `num_gpus=1` gives each replica a GPU of its own (the factory then puts the model on "cuda").
     `num_replicas` replicas, or with `autoscaling_config` (Serve's: `min_replicas`, `max_replicas`,
-    `target_ongoing_requests`, ...) as many as the load asks for. With `warm_up` a text model's replica runs a
-    greedy and a sampled completion through `Engine.warm_up` before it takes traffic, so that the first requests
-    do not wait for compilations.
+    `target_ongoing_requests`, ...) as many as the load asks for. With `warm_up` each replica runs examples
+    through `Engine.warm_up` before it takes traffic (a text model's a greedy and a sampled completion, Whisper's
+    a greedy transcription of silence), so that the first requests do not wait for compilations.
     """
     defaults = inspect.signature(Engine).parameters
     rows, queue_size = (engine_options.get(key, defaults[key].default) for key in ("rows", "queue_size"))
