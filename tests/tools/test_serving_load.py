@@ -172,7 +172,9 @@ def test_the_command_line_writes_one_result_per_run(tmp_path: Path) -> None:
         assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"], rel=0.01)
 
 
+# The harness over HTTP: the server itself is tested in tests/serving/test_ray_serve.py, which CI runs.
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group("ray")  # one local Ray at a time, on the worker that runs tests/serving/test_ray_serve.py
 def test_the_http_server_streams_every_good_request_and_answers_every_bad_one_4xx() -> None:
     pytest.importorskip("ray", reason="the serve extra (pip install -e '.[serve]') is not installed")
