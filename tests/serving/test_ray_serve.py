@@ -283,6 +283,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def test_the_ray_tests_are_one_group_on_one_worker(request: pytest.FixtureRequest) -> None:
+    if not getattr(request.config.option, "loadgroup", False):  # what pytest-xdist sets on its workers
+        pytest.skip("runs on a pytest-xdist worker under --dist loadgroup (nox's runs)")
+    assert request.node.nodeid.endswith("@ray")  # the group pytest-xdist keeps on one worker
+
+
 def test_a_replica_warms_its_engine_up_before_it_takes_traffic() -> None:
     pytest.importorskip("ray", reason="the serve extra (pip install -e '.[serve]') is not installed")
     with warnings.catch_warnings():
