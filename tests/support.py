@@ -1,8 +1,10 @@
 """Helpers the tests share: waiting for an engine's state, one request decoded alone, requests of several
-sampled sequences, and tiny encoder-decoder models of transformers' families by name."""
+sampled sequences, tiny encoder-decoder models of transformers' families by name, and an encoder forward held
+while other calls arrive."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from torch import nn
 from transformers import PreTrainedModel
 
 import cachelife
@@ -68,3 +71,43 @@ def family_model(family: str) -> PreTrainedModel:
         )  # fmt: skip
     model: PreTrainedModel = model_class(config).eval()
     return model
+
+
+class HeldFirstForward:
+    """Holds the first forward through `module` until `release()`: calls made meanwhile wait behind it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.entered, self._released, self._first = threading.Event(), threading.Event(), True
+        self._handle = module.register_forward_pre_hook(self._hold)
+
+    def _hold(self, module: nn.Module, args: Any) -> None:
+        if self._first:
+            self._first = False
+            self.entered.set()
+            assert self._released.wait(60)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def first_layer(model: PreTrainedModel) -> nn.Module:
+    """The encoder's first layer (the first entry of its first module list)."""
+    layers = next(module for module in model.get_encoder().modules() if isinstance(module, nn.ModuleList))
+    return layers[0]
+
+
+def in_threads(calls: int, run: Callable[[int], None], held: HeldFirstForward, gathered: Callable[[], int]) -> None:
+    """`run(0)` first, held in its forward; then `run(1..)` in threads of their own until every call is gathered;
+    then the first forward goes on."""
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(calls)]
+    threads[0].start()
+    assert held.entered.wait(60)
+    for thread in threads[1:]:
+        thread.start()
+    until(lambda: gathered() == calls)
+    held.release()
+    for thread in threads:
+        thread.join(60)

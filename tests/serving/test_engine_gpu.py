@@ -1,6 +1,7 @@
 """GPU tests (marker `gpu`) of cachelife.Engine under cachelife's CUDA graphs (fp32): concurrent requests of
 mixed lengths, greedy and seeded sampling, each equal to its own `cachelife.generate` call and, greedy or with
-beams, to `model.generate`'s, at 1 and 3 steps per graph replay; beam requests as groups of rows."""
+beams, to `model.generate`'s, at 1 and 3 steps per graph replay; beam requests as groups of rows; newcomers'
+encoders run together; after `Engine.warm_up`, no new compilation."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import cachelife
 from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
-from support import several_sequence_requests
+from support import HeldFirstForward, first_layer, in_threads, several_sequence_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -207,3 +209,44 @@ def test_on_the_gpu_the_rows_decode_with_the_decode_kernel_and_equal_generate(
     assert built.model.config._attn_implementation == "sdpa"
     for index, (result, tokens) in enumerate(zip(results, expected, strict=True)):
         assert torch.equal(result, tokens), index
+
+
+@pytest.mark.parametrize(("name", "encoder_length"), [("whisper-small", None), ("t5", 24)])
+def test_newcomers_encoders_run_together_under_graphs_and_equal_generate(name: str, encoder_length: int | None) -> None:
+    """Five newcomers whose encoder calls arrive while the first one's forward is held: two encoder forwards, and
+    every request's tokens equal `model.generate`'s (fp32, under cachelife's graphs)."""
+    built = zoo.build(name, device="cuda")
+    batch = [{**built.inputs(1, 2 + (5 * index) % 9, index), "max_new_tokens": 3 + index} for index in range(5)]
+    held = HeldFirstForward(first_layer(built.model))
+    try:
+        with Engine(built.model, rows=4, max_length=48, encoder_length=encoder_length) as engine:
+            futures: dict[int, Any] = {}
+
+            def submit(index: int) -> None:
+                futures[index] = engine.submit(**batch[index])
+
+            in_threads(len(batch), submit, held, lambda: engine.stats().encoder_calls)
+            results = {index: future.result(timeout=600) for index, future in futures.items()}
+            stats = engine.stats()
+    finally:
+        held.release()
+        held.remove()
+    assert (stats.encoder_calls, stats.encoder_forwards) == (5, 2)
+    for index, request in enumerate(batch):
+        assert torch.equal(results[index], zoo.generate_tokens(built.model, request)), index
+
+
+def test_after_the_warm_up_under_graphs_newcomers_compile_nothing_and_equal_generate() -> None:
+    """`Engine.warm_up` under cachelife's graphs: newcomers alone and together afterwards compile no new graph,
+    and their tokens equal `model.generate`'s (fp32)."""
+    built = zoo.build("llama-small", device="cuda")
+    with Engine(built.model, rows=4, max_length=48) as engine:
+        engine.warm_up(**built.inputs(1, 12, 0), max_new_tokens=6)
+        compiled = counters["stats"]["unique_graphs"]
+        requests = [{**built.inputs(1, length, length), "max_new_tokens": 5} for length in (7, 15, 4, 9, 11)]
+        results = [engine.submit(**requests[0]).result(timeout=600)]
+        together = engine._gate.at_once(lambda: [engine.submit(**request) for request in requests[1:]])
+        results += [future.result(timeout=600) for future in together]
+    assert counters["stats"]["unique_graphs"] == compiled
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
