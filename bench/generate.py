@@ -4,6 +4,7 @@
                              [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0] [--input-length 64]
                              [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife,cachelife_cudnn]
                              [--cuda-graphs cachelife,torch] [--trees-steps-per-call 1]
+                             [--levers fuse_projections,decode_attention,small_linear,fast_kernels,fast,all]
                              [--repeats 3] [--tiny] [--out DIR] [--tag NAME]
 
 For each model and batch size, in one process, on the same inputs and the model's own generation config
@@ -18,7 +19,10 @@ tokens (`min_new_tokens = max_new_tokens = N`):
   (`cachelife_spcN`: cachelife's own CUDA graphs; `cachelife_trees_spcN`: torch's cudagraph trees, only at
   the `--trees-steps-per-call` values, since each compiles an N-step function);
 - `cachelife_cudnn`: `cachelife.generate` at one step per graph on its own model, its steps allowed torch's cuDNN
-  attention (as before they kept to attention that repeats exactly: the cost of repeatable attention).
+  attention (as before they kept to attention that repeats exactly: the cost of repeatable attention);
+- `lever_<name>` for each of `--levers` (none by default): `cachelife.generate` at one step per graph on its own
+  model enabled with that `cachelife.Options` (`LEVERS`): each lever's wall time beside its kernel time, the
+  device's busy time and the span from first kernel to last (the gaps between kernels), against `cachelife_spc1`.
 `llama-3.2-1b` is bench.padded's Llama-3.2-1B shape: at batch 1 one prompt of `--input-length` tokens, at larger
 batches prompts spread from 20 tokens to `--input-length`, left-padded.
 Reported per path: marginal ms per step ((time for N2 tokens - time for N1) / (N2 - N1), best of
@@ -44,6 +48,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 from transformers import CompileConfig, PreTrainedModel
 
@@ -56,6 +61,16 @@ from cachelife.generation.loop_settings import CudaGraphs
 from cachelife.integration.runtime import runtime_of
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
+
+LEVERS: dict[str, cachelife.Options] = {
+    "fuse_projections": cachelife.Options(fuse_projections=True),
+    "decode_attention": cachelife.Options(decode_attention=True),
+    "small_linear": cachelife.Options(small_linear=True),
+    "fast_kernels": cachelife.Options(compile_options=cachelife.FAST_KERNELS),
+    "fast": cachelife.FAST,
+    "all": attrs.evolve(cachelife.FAST, small_linear=True),
+}
+"""`--levers` names: one lever alone, `FAST`, and `FAST` with the few-row linear kernel."""
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
 LLAMAS = ("llama-3.2-1b",)
@@ -167,7 +182,25 @@ def paths(
             return as_tokens(out)
 
         runs["cachelife_cudnn"] = (allowing_cudnn, "cachelife_cudnn")
+    for lever in levers(args.levers):
+        kind = f"lever_{lever}"
+        enabled = _MODELS[kind] = cachelife.enable(build(name, args.tiny, device, dtype).model, options=LEVERS[lever])
+
+        def with_lever(n: int, enabled: PreTrainedModel = enabled) -> torch.Tensor:
+            return as_tokens(cachelife.generate(enabled, fallback=False, **inputs, **settings_for(name, args.beams, n)))
+
+        runs[kind] = (with_lever, kind)
     return runs, inputs
+
+
+def levers(text: str) -> list[str]:
+    """`--levers` values, checked."""
+    named = [value for value in text.split(",") if value]
+    unknown = [value for value in named if value not in LEVERS]
+    if unknown:
+        msg = f"--levers takes values of {sorted(LEVERS)}, got {unknown}"
+        raise SystemExit(msg)
+    return named
 
 
 _MODES: dict[str, CudaGraphs] = {"cachelife": "cachelife", "torch": "torch"}
@@ -227,7 +260,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
     for path, tokens in outputs.items():
         same = reference is not None and tokens.shape == reference.shape and torch.equal(tokens, reference)
         results[path]["tokens_equal_reference"] = same if reference is not None else None
-    for path in [path for path in results if path.startswith("cachelife")]:
+    for path in [path for path in results if path.startswith(("cachelife", "lever_"))]:
         results[path]["verdict"] = verdict(name, args, path, inputs=inputs, tokens=long, timed_out=outputs[path])
     return {"model": name, "batch": batch, "reference": reference_path, "paths": results}
 
@@ -238,7 +271,7 @@ def verdict(
     """The path's greedy call of `tokens` new tokens once more with its logits, judged against transformers
     (bench.verdict; raw logits decide the tokens unless the config suppresses some), and whether its tokens are
     the timed call's. None for beam search, which teacher forcing does not judge."""
-    model = _MODELS["cachelife_cudnn" if path == "cachelife_cudnn" else "cachelife"]
+    model = _MODELS[path if path == "cachelife_cudnn" or path.startswith("lever_") else "cachelife"]
     config = model.generation_config
     if args.beams > 1 or (not args.beams and (config.num_beams or 1) > 1):
         return None
@@ -271,10 +304,12 @@ def main() -> int:
     )
     parser.add_argument("--trees-steps-per-call", default="1", help="steps_per_call values of the trees paths")
     parser.add_argument("--input-length", type=int, default=64, help="prompt length of the text models")
+    parser.add_argument("--levers", default="", help=f"lever paths, of {', '.join(LEVERS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the zoo's tiny models with the same configs")
     parser.add_argument("--tag", default="", help="added to the file name, so that runs split by model keep apart")
     args = parser.parse_args()
+    levers(args.levers)
     device = pick_device(args.device)
     stem = f"generate-{args.tag}" if args.tag else "generate"
     results = results_file(args.out, stem, device, "generate", {"settings": vars(args), "results": []})

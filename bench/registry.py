@@ -63,6 +63,27 @@ _ENTRIES = (
         "cuda", "generate-repeatable-llama-*cuda*.json",
     ),
     Benchmark(
+        "levers-whisper", "bench.generate",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
+         "16,64", "--steps-per-call", "1", "--paths", "forward,cachelife", "--cuda-graphs", "cachelife", "--levers",
+         "fuse_projections,decode_attention,small_linear,fast_kernels,fast,all", "--repeats", "3", "--tag",
+         "levers-whisper"),
+        "each of cachelife.enable's levers alone, FAST, and FAST with the few-row linear kernel on the "
+        "whisper-large-v3 shape, bf16, greedy, one call: wall ms per step beside the kernels' time, the device's "
+        "busy time and the span from first kernel to last, against the default and transformers' compiled forward "
+        "(the bf16 reference), with the verdict against transformers",
+        "cuda", "generate-levers-whisper-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-llama", "bench.generate",
+        ("--device", "cuda", "--models", "llama-3.2-1b", "--batches", "1", "--input-length", "128", "--dtype",
+         "bfloat16", "--tokens", "16,64", "--steps-per-call", "1", "--paths", "forward,cachelife", "--cuda-graphs",
+         "cachelife", "--levers", "fuse_projections,decode_attention,small_linear,fast_kernels,fast,all",
+         "--repeats", "3", "--tag", "levers-llama"),
+        "the levers-whisper comparison on the Llama-3.2-1B shape, one prompt of 128 tokens",
+        "cuda", "generate-levers-llama-*cuda*.json",
+    ),
+    Benchmark(
         "engine-llama-throughput", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
          "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine,engine_model_attention",
