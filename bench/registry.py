@@ -84,6 +84,15 @@ _ENTRIES = (
         "cuda", "generate-levers-llama-*cuda*.json",
     ),
     Benchmark(
+        "warm-start-whisper", "bench.warm_start",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--paths", "cachelife-generate,cachelife-generate-regions",
+         "--dtype", "bfloat16", "--batch", "1", "--new-tokens", "32", "--tag", "whisper"),
+        "first calls of cachelife.generate on the whisper-large-v3 shape (bf16, batch 1, greedy) in fresh "
+        "processes: an empty compile-cache directory, a shared one, and an empty one with loaded artifacts; "
+        "with and without Options(compile_regions=True)",
+        "cuda", "warm-start-whisper-*cuda*.json",
+    ),
+    Benchmark(
         "engine-llama-throughput", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
          "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine,engine_model_attention",
@@ -207,6 +216,12 @@ _ENTRIES = (
         "together (the default) against each alone, twice each in turn; throughput, time to first token, the "
         "encoder forwards, and every request's tokens against cachelife.generate's",
         "cpu", "engine-whisper-small-ttft-cpu-*.json",
+    ),
+    Benchmark(
+        "warm-start-cpu", "bench.warm_start",
+        ("--device", "cpu", "--models", "t5", "--paths", "cachelife-generate", "--new-tokens", "8", "--batch", "1"),
+        "the warm-start-whisper first calls on the CPU, tiny T5 with its generation config",
+        "cpu", "warm-start-cpu-*.json",
     ),
     Benchmark(
         "soak-cpu", "bench.soak", ("--device", "cpu", "--calls", "200"),
