@@ -151,13 +151,15 @@ def measure(args: argparse.Namespace, model: str, path: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="warm-start-") as scratch:
         records = {role: run_role(role, args, model, path, Path(scratch)) for role in ROLES}
     tokens = [record.pop("tokens", None) for record in records.values()]
-    result: dict[str, Any] = {"model": model, "path": path, **records}
-    result["tokens_equal"] = tokens[0] is not None and all(other == tokens[0] for other in tokens)
     cold = records["empty_dir"].get("first_call_s")
     for role in ROLES[1:]:
         warm = records[role].get("first_call_s")
         records[role]["speedup_over_empty_dir"] = round(cold / warm, 2) if cold and warm else None
-    return result
+    return {
+        "model": model, "path": path,
+        "tokens_equal": tokens[0] is not None and all(other == tokens[0] for other in tokens),
+        "roles": list(records.values()),
+    }  # fmt: skip
 
 
 def main() -> int:
