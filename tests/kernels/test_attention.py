@@ -33,6 +33,7 @@ from cachelife.errors import CacheShapeError, InvalidArgumentError, UnsupportedG
 from cachelife.integration.runtime import runtime_of
 from cachelife.kernels.attention import (
     MAX_SPLITS,
+    PROGRAMS_PER_SM,
     attention_combine_kernel,
     attention_split_kernel,
     decode_attention,
@@ -190,6 +191,29 @@ def test_the_split_plan() -> None:
     assert gqa.splits * gqa.split_size >= 4096 > (gqa.splits - 1) * gqa.split_size
     capped = plan_splits(batch=1, kv_heads=1, group=1, positions=32768, key_dim=64, value_dim=64, programs=10**4)
     assert capped.splits == MAX_SPLITS
+
+
+# The engine's shapes (rows, key/value heads, query heads per group, cache positions) and the (splits, tile
+# length) of the fastest 4-warp plans of the sweep on an H100 (132 SMs) in
+# bench/results/gpu/decode-attention-cuda-20261206-40bb996-h100-tf5.17.0.json; the op's own plan then was
+# (3, 32) for the Llama shape at 16 rows (23.7 us against 17.2 for (8, 32)) and (1, 128) for Whisper's
+# self-attention (13.9 us against 13.2 for (4, 128)).
+SWEPT_BEST = {
+    "llama-1": ((1, 8, 4, 512), (16, 32)),
+    "llama-16": ((16, 8, 4, 512), (8, 32)),
+    "whisper-self-16": ((16, 20, 1, 448), (4, 128)),
+    "whisper-cross-16": ((16, 20, 1, 1500), (4, 128)),
+}
+
+
+@pytest.mark.parametrize("case", SWEPT_BEST)
+def test_the_plan_on_132_multiprocessors_is_the_sweeps_fastest(case: str) -> None:
+    (batch, kv_heads, group, positions), best = SWEPT_BEST[case]
+    plan = plan_splits(
+        batch=batch, kv_heads=kv_heads, group=group, positions=positions, key_dim=64, value_dim=64,
+        programs=PROGRAMS_PER_SM * 132,
+    )  # fmt: skip
+    assert (plan.splits, plan.block_n) == best
 
 
 @pytest.mark.parametrize("triton", [pytest.param(True, marks=needs_triton), False], ids=["triton", "torch"])

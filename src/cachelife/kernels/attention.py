@@ -43,7 +43,9 @@ from cachelife.validate import check_int
 MAX_SPLITS: Final = 64
 # Elements of phase 1's largest tile (query heads x positions x head size), which sets the positions per tile.
 _TILE_ELEMENTS: Final = 8192
-_PROGRAMS_PER_SM: Final = 2
+# Phase 1's programs per streaming multiprocessor: a decode call's programs are short, so more of them than
+# the machine holds at once keep it busier (bench/results' decode-attention sweeps).
+PROGRAMS_PER_SM: Final = 8
 # The split kernel's MASK: none, bool or added to the scores (it compares numbers: Triton kernels read no
 # Python globals).
 _NO_MASK: Final = 0
@@ -256,7 +258,7 @@ def reference_decode_attention(
 
 def _programs(device: torch.device) -> int:
     """How many programs phase 1 aims at on `device`: a few per streaming multiprocessor."""
-    return _PROGRAMS_PER_SM * multiprocessors(device)
+    return PROGRAMS_PER_SM * multiprocessors(device)
 
 
 def _triton_decode_attention(
