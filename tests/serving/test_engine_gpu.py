@@ -17,7 +17,7 @@ import cachelife
 from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
-from support import HeldFirstForward, first_layer, in_threads, several_sequence_requests
+from support import HeldFirstForward, first_layer, in_threads, several_sequence_requests, until
 
 pytestmark = pytest.mark.gpu
 
@@ -248,5 +248,33 @@ def test_after_the_warm_up_under_graphs_newcomers_compile_nothing_and_equal_gene
         together = engine._gate.at_once(lambda: [engine.submit(**request) for request in requests[1:]])
         results += [future.result(timeout=600) for future in together]
     assert counters["stats"]["unique_graphs"] == compiled
+    for index, (request, result) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
+
+
+@pytest.mark.parametrize("name", ["llama-small", "whisper-small"])
+def test_placing_a_newcomer_does_not_wait_for_the_device(name: str) -> None:
+    """A newcomer's placement (its cache rows, settings and first token) queues its work behind the step in flight
+    without a synchronizing CUDA call (torch's sync debug mode raises on one); the tokens still equal
+    `model.generate`'s. Requests come one at a time, so that no request thread runs while the mode is on."""
+    built = zoo.build(name, device="cuda")
+    requests = requests_of(built, 4, sampling=False)
+    with Engine(built.model, rows=4, max_length=48) as engine:
+        place = engine._batch._place
+
+        def watched(*args: Any, **kwargs: Any) -> int:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return place(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        engine._batch._place = watched  # type: ignore[method-assign]
+        futures = []
+        for index, request in enumerate(requests):
+            future = engine.submit(**request)
+            futures.append(future)
+            until(lambda: engine.stats().joins > index or future.done(), 600)  # noqa: B023 (called at once)
+        results = [future.result(timeout=600) for future in futures]
     for index, (request, result) in enumerate(zip(requests, results, strict=True)):
         assert torch.equal(result, zoo.generate_tokens(built.model, request)), index

@@ -3,6 +3,8 @@ summation, and not when they are off."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from bench.verdict import FLOAT32_TOLERANCE, judge
 
@@ -12,8 +14,8 @@ from cachelife.tools import zoo
 def test_a_float32_runs_logits_agree_up_to_float_noise_and_not_beyond() -> None:
     built = zoo.build("llama")
     inputs = built.inputs(1, 6, 0)
-    out = built.model.generate(**inputs, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
-                               output_logits=True)  # fmt: skip
+    out: Any = built.model.generate(**inputs, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                                    output_logits=True)  # fmt: skip
     logits = torch.stack(out.logits, dim=1)
     width = inputs["input_ids"].shape[1]
     noise = 1e-7 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))

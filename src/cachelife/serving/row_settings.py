@@ -47,6 +47,7 @@ from cachelife.generation.greedy import append
 from cachelife.generation.penalties import OccurrencePenalty, occurrence_penalised
 from cachelife.generation.tensor_processors import repetition_penalised
 from cachelife.serving.cumulative_sum import cumulative_sum
+from cachelife.serving.host_values import device_tensor
 from cachelife.serving.row_ngrams import LONGEST_NGRAM, banned_ngrams
 
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
@@ -321,7 +322,7 @@ class RowSettings:
 def _mask(row: torch.Tensor, ids: tuple[int, ...]) -> None:
     row.zero_()
     if ids:
-        row[torch.tensor(ids, dtype=torch.long, device=row.device)] = True
+        row[device_tensor(ids, device=row.device)] = True
 
 
 def process(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor, *,
