@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -256,10 +257,12 @@ def test_after_the_warm_up_under_graphs_newcomers_compile_nothing_and_equal_gene
 def test_placing_a_newcomer_does_not_wait_for_the_device(name: str) -> None:
     """A newcomer's placement (its cache rows, settings and first token) queues its work behind the step in flight
     without a synchronizing CUDA call (torch's sync debug mode raises on one); the tokens still equal
-    `model.generate`'s. Requests come one at a time, so that no request thread runs while the mode is on."""
+    `model.generate`'s. The first request captures the placement's graph (a capture synchronises) unwatched; the
+    others come one at a time, so that no request thread runs while the mode is on."""
     built = zoo.build(name, device="cuda")
-    requests = requests_of(built, 4, sampling=False)
+    requests = [{**built.inputs(1, 6, index), "max_new_tokens": 4} for index in range(4)]  # one prefill shape
     with Engine(built.model, rows=4, max_length=48) as engine:
+        first = engine.submit(**requests[0]).result(timeout=600)
         place = engine._batch._place
 
         def watched(*args: Any, **kwargs: Any) -> int:
@@ -270,8 +273,9 @@ def test_placing_a_newcomer_does_not_wait_for_the_device(name: str) -> None:
                 torch.cuda.set_sync_debug_mode("default")
 
         engine._batch._place = watched  # type: ignore[method-assign]
-        futures = []
-        for index, request in enumerate(requests):
+        futures = [Future[torch.Tensor]()]
+        futures[0].set_result(first)
+        for index, request in enumerate(requests[1:], start=1):
             future = engine.submit(**request)
             futures.append(future)
             until(lambda: engine.stats().joins > index or future.done(), 600)  # noqa: B023 (called at once)
