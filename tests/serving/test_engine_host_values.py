@@ -5,6 +5,7 @@ memory, which synchronises the device's stream with the host (`test_engine_gpu` 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -22,11 +23,11 @@ def test_a_placement_builds_tensors_of_python_values_only_through_device_tensor(
     requests = [{**built.inputs(1, 3 + index, index), "max_new_tokens": 3} for index in range(3)]
     requests[1].update(do_sample=True, top_k=5, suppress_tokens=[4, 9])  # a row with its own settings
     elsewhere: list[str] = []
-    tensor, placing = torch.tensor, [False]
+    tensor, placing = torch.tensor, [0]  # the ident of the thread placing a newcomer (request threads run too)
 
     def watched_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
         caller = sys._getframe(1).f_globals["__name__"]
-        if placing[0] and caller != "cachelife.serving.host_values":
+        if placing[0] == threading.get_ident() and caller != "cachelife.serving.host_values":
             elsewhere.append(caller)
         return tensor(*args, **kwargs)
 
@@ -35,11 +36,11 @@ def test_a_placement_builds_tensors_of_python_values_only_through_device_tensor(
         place = engine._batch._place
 
         def watched_place(*args: Any, **kwargs: Any) -> int:
-            placing[0] = True
+            placing[0] = threading.get_ident()
             try:
                 return place(*args, **kwargs)
             finally:
-                placing[0] = False
+                placing[0] = 0
 
         engine._batch._place = watched_place  # type: ignore[method-assign]
         monkeypatch.setattr(torch, "tensor", watched_tensor)
