@@ -1,4 +1,5 @@
-"""Shared fixtures: small models from cachelife.tools.zoo, and the skip rule for GPU tests."""
+"""Shared fixtures: small models from cachelife.tools.zoo, an encoder forward held while other calls arrive, and
+the skip rule for GPU tests."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from transformers import PreTrainedModel
 
 import cachelife
+from support import HeldFirstForward, first_layer
 
 # Stateful property tests: `ci` runs in every `nox -s tests` and `nox -s full`; `nox -s fuzz` selects `fuzz`.
 settings.register_profile(
@@ -63,3 +66,19 @@ def as_if_traced(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         monkeypatch.setattr(torch._guards.TracingContext, "try_get", staticmethod(object))
 
     return patch
+
+
+@pytest.fixture
+def held_encoder() -> Iterator[Callable[[PreTrainedModel], HeldFirstForward]]:
+    """`held_encoder(model)` holds the first forward through the model's encoder (`support.HeldFirstForward`);
+    every hold is released and removed after the test."""
+    made: list[HeldFirstForward] = []
+
+    def hold(model: PreTrainedModel) -> HeldFirstForward:
+        made.append(HeldFirstForward(first_layer(model)))
+        return made[-1]
+
+    yield hold
+    for held in made:
+        held.release()
+        held.remove()

@@ -3,7 +3,7 @@ while an encoder forward runs are gathered into one forward, and each request ge
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -115,20 +115,6 @@ def test_calls_outside_gathering_and_calls_asking_for_more_reach_the_encoders_ow
     calls.restore()
     assert (calls.calls, calls.forwards) == (0, 0)
     assert output.hidden_states is not None
-
-
-@pytest.fixture
-def held_encoder() -> Iterator[Callable[[PreTrainedModel], HeldFirstForward]]:
-    made: list[HeldFirstForward] = []
-
-    def hold(model: PreTrainedModel) -> HeldFirstForward:
-        made.append(HeldFirstForward(first_layer(model)))
-        return made[-1]
-
-    yield hold
-    for held in made:
-        held.release()
-        held.remove()
 
 
 @pytest.mark.parametrize("name", ["t5", "bart", "whisper"])

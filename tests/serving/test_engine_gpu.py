@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from transformers import PreTrainedModel
 
 import cachelife
 from cachelife.model_rewrites.decode_attention import ATTENTION
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
-from support import HeldFirstForward, first_layer, in_threads, several_sequence_requests, until
+from support import HeldFirstForward, in_threads, several_sequence_requests, until
 
 pytestmark = pytest.mark.gpu
 
@@ -213,25 +214,23 @@ def test_on_the_gpu_the_rows_decode_with_the_decode_kernel_and_equal_generate(
 
 
 @pytest.mark.parametrize(("name", "encoder_length"), [("whisper-small", None), ("t5", 24)])
-def test_newcomers_encoders_run_together_under_graphs_and_equal_generate(name: str, encoder_length: int | None) -> None:
+def test_newcomers_encoders_run_together_under_graphs_and_equal_generate(
+    name: str, encoder_length: int | None, held_encoder: Callable[[PreTrainedModel], HeldFirstForward]
+) -> None:
     """Five newcomers whose encoder calls arrive while the first one's forward is held: two encoder forwards, and
     every request's tokens equal `model.generate`'s (fp32, under cachelife's graphs)."""
     built = zoo.build(name, device="cuda")
     batch = [{**built.inputs(1, 2 + (5 * index) % 9, index), "max_new_tokens": 3 + index} for index in range(5)]
-    held = HeldFirstForward(first_layer(built.model))
-    try:
-        with Engine(built.model, rows=4, max_length=48, encoder_length=encoder_length) as engine:
-            futures: dict[int, Any] = {}
+    held = held_encoder(built.model)
+    with Engine(built.model, rows=4, max_length=48, encoder_length=encoder_length) as engine:
+        futures: dict[int, Any] = {}
 
-            def submit(index: int) -> None:
-                futures[index] = engine.submit(**batch[index])
+        def submit(index: int) -> None:
+            futures[index] = engine.submit(**batch[index])
 
-            in_threads(len(batch), submit, held, lambda: engine.stats().encoder_calls)
-            results = {index: future.result(timeout=600) for index, future in futures.items()}
-            stats = engine.stats()
-    finally:
-        held.release()
-        held.remove()
+        in_threads(len(batch), submit, held, lambda: engine.stats().encoder_calls)
+        results = {index: future.result(timeout=600) for index, future in futures.items()}
+        stats = engine.stats()
     assert (stats.encoder_calls, stats.encoder_forwards) == (5, 2)
     for index, request in enumerate(batch):
         assert torch.equal(results[index], zoo.generate_tokens(built.model, request)), index
@@ -273,12 +272,11 @@ def test_placing_a_newcomer_does_not_wait_for_the_device(name: str) -> None:
                 torch.cuda.set_sync_debug_mode("default")
 
         engine._batch._place = watched  # type: ignore[method-assign]
-        futures = [Future[torch.Tensor]()]
-        futures[0].set_result(first)
-        for index, request in enumerate(requests[1:], start=1):
+        futures = []
+        for index, request in enumerate(requests[1:], start=2):  # the first request was join 1
             future = engine.submit(**request)
             futures.append(future)
-            until(lambda: engine.stats().joins > index or future.done(), 600)  # noqa: B023 (called at once)
-        results = [future.result(timeout=600) for future in futures]
+            until(lambda: engine.stats().joins >= index or future.done(), 600)  # noqa: B023 (called at once)
+        results = [first, *(future.result(timeout=600) for future in futures)]
     for index, (request, result) in enumerate(zip(requests, results, strict=True)):
         assert torch.equal(result, zoo.generate_tokens(built.model, request)), index
