@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
@@ -82,6 +83,30 @@ def test_the_compiled_steps_attention_is_chosen_among_the_repeatable_backends(
     assert calls.get(FLASH_CPU) == 2  # the prefill's
     assert isinstance(tokens[0], torch.Tensor)
     assert torch.equal(tokens[0], expected)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_is_kept_by_torchs_aot_autograd_cache() -> None:
+    """The restriction's calls in the step's graph are marked cacheable: AOTAutograd looks the step up in its
+    cache (a hit or a miss that saves it) instead of bypassing the cache, which would compile the step again in
+    every process however warm its compile cache."""
+    built = zoo.build("llama")
+    model, inputs = cachelife.enable(built.model), built.inputs(1, 5, 0)
+    counters.clear()
+    cachelife.generate(model, fallback=False, **inputs, max_new_tokens=3, min_new_tokens=3)
+    aot = dict(counters["aot_autograd"])
+    assert aot.get("total", 0) >= 1, aot  # the step was compiled here
+    assert aot.get("autograd_cache_bypass", 0) == 0, aot
+    assert aot.get("autograd_cache_hit", 0) + aot.get("autograd_cache_saved", 0) == aot["total"], aot
+
+
+def test_a_users_own_cacheable_functions_stay_marked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._inductor.config, "unsafe_marked_cacheable_functions", {"my.op": "v1"})
+    marked = repeatable.cacheable_switch_calls()
+    assert marked["my.op"] == "v1"
+    assert marked["torch.nn.attention._sdpa_kernel"] == torch.__version__
+    assert marked["torch.nn.attention._backend_from_string"] == torch.__version__
+    assert torch._inductor.config.unsafe_marked_cacheable_functions == {"my.op": "v1"}  # left as it was
 
 
 def test_cudnn_attention_is_left_out_and_math_attention_is_always_there() -> None:

@@ -13,6 +13,12 @@ tokens. So cachelife's steps keep to `REPEATABLE_ATTENTION`:
   the last one ends, so the switches are the user's again between steps. Attention that another thread runs
   meanwhile is restricted too.
 
+Dynamo records the restriction as calls of two functions of `torch.nn.attention` in the step's graph, which
+torch's AOTAutograd cache does not know, so it would compile every step again in every process, however warm
+its compile cache. `cacheable_switch_calls` marks them cacheable for the step's compilation: both only set or
+name the switches from the constants the graph holds, so the graph that is the cache key determines what they
+do.
+
 Transformers' prefill keeps the process's switches.
 """
 
@@ -32,6 +38,17 @@ REPEATABLE_ATTENTION: tuple[SDPBackend, ...] = (
     SDPBackend.MATH,
 )
 """The backends a step's attention chooses among: all of torch's but cuDNN's."""
+
+
+# The functions of `torch.nn.attention` that a traced `sdpa_kernel` leaves in a graph.
+_SWITCH_CALLS = ("torch.nn.attention._sdpa_kernel", "torch.nn.attention._backend_from_string")
+
+
+def cacheable_switch_calls() -> dict[str, str]:
+    """The inductor option `unsafe_marked_cacheable_functions` for a step's compilation: the functions a user
+    already marked, and the switch calls keyed to torch's version (their code comes with torch)."""
+    marked: dict[str, str] = dict(torch._inductor.config.unsafe_marked_cacheable_functions)
+    return {**marked, **dict.fromkeys(_SWITCH_CALLS, torch.__version__)}
 
 
 def with_repeatable_attention(function: Callable[..., None]) -> Callable[..., None]:

@@ -23,7 +23,11 @@ from cachelife.core.pinning import prepare_static_cache
 from cachelife.generation.graphs import GraphedSteps, captures_on
 from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.padding import DECODER, DECODER_ONLY, LeftPadding, is_padded, padding_counts
-from cachelife.generation.repeatable import with_repeatable_attention, within_restricted_switches
+from cachelife.generation.repeatable import (
+    cacheable_switch_calls,
+    with_repeatable_attention,
+    within_restricted_switches,
+)
 from cachelife.generation.states import StateLeases
 from cachelife.generation.step_code import own_code, specialization
 from cachelife.integration.call_arguments import cache_argument_name
@@ -114,7 +118,12 @@ def compiled_step(
         # Rounded at every cast as eager rounds: otherwise what inductor fuses across the model's last layers
         # and the processors keeps float32 where a forward's bf16/fp16 logits are rounded, and tokens depend on
         # the fusion (bart-small, bf16, 4 beams, CPU: 13 of 84 tokens differed from a compiled forward's).
-        options = mode_with(mode, {**extra, "emulate_precision_casts": True})
+        # The restriction's calls marked cacheable, so that a warm compile cache serves the step
+        # (`cachelife.generation.repeatable`); torch.compile's annotation leaves out the table this option takes.
+        options: dict[str, Any] = {
+            **mode_with(mode, {**extra, "emulate_precision_casts": True}),
+            "unsafe_marked_cacheable_functions": cacheable_switch_calls(),
+        }
         step = own_code(with_repeatable_attention(function))
         functions[key] = within_restricted_switches(torch.compile(step, fullgraph=True, options=options))
     return functions[key]
