@@ -224,6 +224,14 @@ _ENTRIES = (
         "cpu", "warm-start-cpu-*.json",
     ),
     Benchmark(
+        "warm-start-whisper-cpu", "bench.warm_start",
+        ("--device", "cpu", "--models", "whisper-large-v3", "--paths", "cachelife-generate", "--dtype", "float32",
+         "--new-tokens", "8", "--batch", "1", "--tag", "whisper-large-v3-cpu"),
+        "the warm-start-whisper first calls on the CPU, the whisper-large-v3 shape in float32 (32 decoder layers: "
+        "where the compiler's time per phase shows), greedy, batch 1",
+        "cpu", "warm-start-whisper-large-v3-cpu-*.json",
+    ),
+    Benchmark(
         "soak-cpu", "bench.soak", ("--device", "cpu", "--calls", "200"),
         "200 generate calls, tiny T5, eager forward, on the CPU: memory flat, tokens equal eager (what "
         "`nox -s soak` runs)",
