@@ -88,8 +88,8 @@ def test_the_compiled_steps_attention_is_chosen_among_the_repeatable_backends(
 @pytest.mark.slow
 def test_a_compiled_step_is_kept_by_torchs_aot_autograd_cache() -> None:
     """The restriction's calls in the step's graph are marked cacheable: AOTAutograd looks the step up in its
-    cache (a hit or a miss that saves it) instead of bypassing the cache, which would compile the step again in
-    every process however warm its compile cache."""
+    cache (a hit or a miss that saves it) instead of passing it by, which would run AOTAutograd on the step
+    again in every process however warm its compile cache."""
     built = zoo.build("llama")
     model, inputs = cachelife.enable(built.model), built.inputs(1, 5, 0)
     counters.clear()

@@ -14,10 +14,10 @@ tokens. So cachelife's steps keep to `REPEATABLE_ATTENTION`:
   meanwhile is restricted too.
 
 Dynamo records the restriction as calls of two functions of `torch.nn.attention` in the step's graph, which
-torch's AOTAutograd cache does not know, so it would compile every step again in every process, however warm
-its compile cache. `cacheable_switch_calls` marks them cacheable for the step's compilation: both only set or
-name the switches from the constants the graph holds, so the graph that is the cache key determines what they
-do.
+torch's AOTAutograd cache does not know: it would pass every step by, so that every process ran AOTAutograd
+and its graph passes on every step again, however warm its compile cache. `cacheable_switch_calls` marks them
+cacheable for the step's compilation: both only set or name the switches from the constants the graph holds,
+so the graph that is the cache key determines what they do.
 
 Transformers' prefill keeps the process's switches.
 """
