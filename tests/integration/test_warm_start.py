@@ -174,8 +174,9 @@ def test_loading_under_another_compile_cache_tag_warns_naming_both(
     assert torch_artifacts == [PAYLOAD]  # loaded all the same: the tag may still be set before compiling
 
 
-# One process of the round trip: `save` compiles and saves, `load` loads and then compiles. Both decode with
-# generate on an enabled model, so every graph is compiled (or looked up) in cachelife's namespace.
+# One process of the round trip: `save` compiles and saves, `load` loads and then compiles. Both decode on an
+# enabled model, so every graph is compiled (or looked up) in cachelife's namespace: with `generate` and a
+# compiled forward, or with `cachelife.generate` and its compiled steps.
 CHILD = """
 import json, sys, time
 import torch
@@ -183,16 +184,19 @@ from torch._dynamo.utils import counters
 import cachelife
 from cachelife.tools import zoo
 
-role, path = sys.argv[1], sys.argv[2]
+role, path, caller = sys.argv[1], sys.argv[2], sys.argv[3]
 if role == "load":
     cachelife.load_compile_artifacts(path)
 built = zoo.build("t5")
 model = built.model
 cachelife.enable(model)
-cachelife.compile_forward(model, fullgraph=True)
-settings = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8, cache_implementation="static")
+settings = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
 started = time.perf_counter()
-tokens = zoo.generate_tokens(model, built.inputs(2, 9, 1), **settings)
+if caller == "generate":
+    cachelife.compile_forward(model, fullgraph=True)
+    tokens = zoo.generate_tokens(model, built.inputs(2, 9, 1), cache_implementation="static", **settings)
+else:
+    tokens = cachelife.generate(model, fallback=False, **built.inputs(2, 9, 1), **settings)
 seconds = time.perf_counter() - started
 if role == "save":
     cachelife.save_compile_artifacts(path)
@@ -201,14 +205,14 @@ print("RESULT " + json.dumps({"tokens": tokens.tolist(), "seconds": seconds, "co
 """
 
 
-def run_child(role: str, artifacts: Path, cache_dir: Path) -> dict[str, Any]:
+def run_child(role: str, artifacts: Path, cache_dir: Path, caller: str = "generate") -> dict[str, Any]:
     env = {
         **os.environ,
         "PYTHONPATH": f"{SOURCE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "TRITON_CACHE_DIR": str(cache_dir / "triton"),
     }
-    command = [sys.executable, "-c", CHILD, role, str(artifacts)]
+    command = [sys.executable, "-c", CHILD, role, str(artifacts), caller]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0, done.stderr[-3000:]
@@ -236,3 +240,17 @@ def test_artifacts_saved_in_one_process_warm_another_with_an_empty_cache(tmp_pat
     assert cache_counts(loading) == {"hits": cache_counts(loading)["hits"], "misses": 0}
     assert cache_counts(loading)["hits"] > 0
     # How much faster the warm first call is, is a benchmark's question, not a test's verdict.
+
+
+@pytest.mark.exhaustive
+@pytest.mark.slow
+def test_cachelife_generates_steps_are_served_by_artifacts_saved_in_another_process(tmp_path: Path) -> None:
+    """`cachelife.generate`'s compiled step is found in every cache the artifacts carry, AOTAutograd's too
+    (its attention restriction's calls are marked cacheable): nothing is compiled again after the load."""
+    artifacts = tmp_path / "t5-steps.artifacts"
+    saving = run_child("save", artifacts, tmp_path / "cache-a", caller="cachelife")
+    loading = run_child("load", artifacts, tmp_path / "cache-b", caller="cachelife")
+    assert loading["tokens"] == saving["tokens"]
+    assert saving["counters"]["aot_autograd"].get("autograd_cache_saved", 0) > 0
+    assert loading["counters"]["aot_autograd"].get("autograd_cache_hit", 0) > 0
+    assert cache_counts(loading)["misses"] == 0
