@@ -10,7 +10,8 @@ measurement and nobody joins. Once every row decodes and 16 more steps ran, for 
 4 steps: the scheduler's step calls (wall ms per step: the whole boundary, host work included), and under
 torch.profiler (device activity alone) the device's kernels, grouped by kind as bench/profile_step.py groups
 them (ms per step and kernels per step), and the device's idle time (the window's span less the union of its
-kernels' intervals, per step): how much of a step the device waits for the host. Each measurement also gives
+kernels' intervals, per step): how much of a step the device waits for the host, by the group of the kernel
+that ends each wait (`idle_ms_per_step_before`). Each measurement also gives
 the ratio of its wall ms per step to the first one's (the first options set's first rows value).
 Then the first two rows decode to their end and are judged against transformers (bench.verdict, tokens).
 `--enable` measures every rows value once per set of `cachelife.Options` levers (`/` between sets, `,` between
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.profiler import DeviceType, ProfilerActivity, profile
 from bench.padded import MODEL_NAMES, build_model
 from bench.profile_step import GROUPS, OTHER, group_of
 from bench.results_file import bench_parser, results_file
+from bench.timing import timeline
 from bench.verdict import judge
 from cachelife.integration.enabling import disable, enable
 from cachelife.integration.options import Options
@@ -41,19 +43,6 @@ from cachelife.serving.engine import Engine
 from cachelife.serving.step_attention import StepAttention, check_attention
 from cachelife.tools import zoo
 from cachelife.tools.recipe import pick_device
-
-
-def busy_union(intervals: Sequence[tuple[int, int]]) -> int:
-    """The time (in the intervals' unit) that at least one of `intervals` (start, end) covers."""
-    covered, reach = 0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            covered += end - start
-            reach = end
-        elif end > reach:
-            covered += end - reach
-            reach = end
-    return covered
 
 
 def device_kernels(profiler: Any) -> list[tuple[str, int, int]]:
@@ -181,14 +170,16 @@ def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[
         group = groups[group_of(name)]
         group["ms_per_step"] += (end - start) / 1e6 / steps
         group["kernels_per_step"] += 1 / steps
-    span = (max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)) if kernels else 0
-    busy = busy_union([(start, end) for _, start, end in kernels])
+    seen = timeline((name, start / 1e6, end / 1e6) for name, start, end in kernels)
     return {
         **measured,
         "steps_profiled": steps,
-        "kernel_ms_per_step": round(sum(end - start for _, start, end in kernels) / 1e6 / steps, 4),
-        "device_busy_ms_per_step": round(busy / 1e6 / steps, 4),
-        "device_idle_ms_per_step": round((span - busy) / 1e6 / steps, 4),
+        "kernel_ms_per_step": round(seen.kernel_ms / steps, 4),
+        "device_busy_ms_per_step": round(seen.busy_ms / steps, 4),
+        "device_idle_ms_per_step": round((seen.span_ms - seen.busy_ms) / steps, 4),
+        "idle_ms_per_step_before": {
+            group: round(ms / steps, 4) for group, ms in sorted(seen.idle_ms_before.items(), key=lambda item: -item[1])
+        },
         "kernels_per_step": round(len(kernels) / steps, 1),
         "groups": {name: {key: round(value, 4) for key, value in group.items()} for name, group in groups.items()},
     }

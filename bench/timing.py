@@ -9,13 +9,15 @@ import gc
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from attrs import frozen
 from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
+from bench.profile_step import group_of
 from cachelife.generation import repeatable
 
 
@@ -62,35 +64,71 @@ def marginal_ms(
     return 1000 * (best[long] - best[short]) / (long - short), same
 
 
-def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int, long: int) -> dict[str, float] | None:
+def kernel_timeline(device: torch.device, run: Callable[[int], Any], short: int, long: int) -> dict[str, Any] | None:
     """Per decoding step, the marginal way (as `marginal_ms`): the GPU kernels' summed milliseconds, the
     milliseconds at least one kernel ran (`busy_ms`: their union, which overlapping kernels keep below the sum),
     the milliseconds from the first kernel's start to the last one's end (`span_ms`: busy time and the gaps
-    between kernels), and the kernels launched. None off CUDA. The profiled runs are not the timed ones: the
-    profiler's own host work can widen the gaps."""
+    between kernels), the kernels launched, and the idle milliseconds by the group of the kernel that ends each
+    gap (`idle_ms_before`, `bench.profile_step`'s groups: which kernels the device waits for). None off CUDA. The
+    profiled runs are not the timed ones: the profiler's own host work can widen the gaps."""
     if device.type != "cuda":
         return None
-    totals: dict[int, tuple[float, float, float, int]] = {}
+    totals: dict[int, Timeline] = {}
     for tokens in (short, long):
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             run(tokens)
             synchronize(device)
-        ranges = sorted(
-            (event.time_range.start, event.time_range.end)
+        totals[tokens] = timeline(
+            (event.name, event.time_range.start / 1000, event.time_range.end / 1000)
             for event in trace.events()
-            if event.device_type.name == "CUDA" and event.time_range.end > event.time_range.start
+            if event.device_type.name == "CUDA"
         )
-        busy, reached = 0.0, -math.inf
-        for start, end in ranges:
-            busy += max(0.0, end - max(start, reached))
-            reached = max(reached, end)
-        summed = sum(end - start for start, end in ranges)
-        span = ranges[-1][1] - ranges[0][0] if ranges else 0.0
-        totals[tokens] = (summed / 1000, busy / 1000, span / 1000, len(ranges))
-    steps = long - short
-    per_step = [(totals[long][i] - totals[short][i]) / steps for i in range(4)]
-    names = ("kernel_ms_per_step", "busy_ms_per_step", "span_ms_per_step", "kernels_per_step")
-    return {name: round(value, 4) for name, value in zip(names, per_step, strict=True)}
+    return per_step(totals[short], totals[long], long - short)
+
+
+@frozen
+class Timeline:
+    """Kernels on a device's timeline, in milliseconds (see `kernel_timeline`)."""
+
+    kernel_ms: float
+    busy_ms: float
+    span_ms: float
+    kernels: int
+    idle_ms_before: dict[str, float]
+
+
+def timeline(kernels: Iterable[tuple[str, float, float]]) -> Timeline:
+    """The `Timeline` of kernels given as (name, start ms, end ms); kernels of no duration are left out. A gap
+    is time no kernel runs between the first start and the last end; it counts for the group
+    (`bench.profile_step.group_of`) of the kernel whose start ends it."""
+    ranges = sorted((start, end, name) for name, start, end in kernels if end > start)
+    busy, reached = 0.0, -math.inf
+    idle: dict[str, float] = {}
+    for start, end, name in ranges:
+        if start > reached > -math.inf:
+            group = group_of(name)
+            idle[group] = idle.get(group, 0.0) + start - reached
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    summed = sum(end - start for start, end, _ in ranges)
+    span = max(end for _, end, _ in ranges) - ranges[0][0] if ranges else 0.0
+    return Timeline(kernel_ms=summed, busy_ms=busy, span_ms=span, kernels=len(ranges), idle_ms_before=idle)
+
+
+def per_step(short: Timeline, long: Timeline, steps: int) -> dict[str, Any]:
+    """What `steps` more decoding steps added to a timeline, per step (`kernel_timeline`'s record)."""
+    groups = sorted(set(short.idle_ms_before) | set(long.idle_ms_before))
+    idle = {
+        group: round((long.idle_ms_before.get(group, 0.0) - short.idle_ms_before.get(group, 0.0)) / steps, 4)
+        for group in groups
+    }
+    return {
+        "kernel_ms_per_step": round((long.kernel_ms - short.kernel_ms) / steps, 4),
+        "busy_ms_per_step": round((long.busy_ms - short.busy_ms) / steps, 4),
+        "span_ms_per_step": round((long.span_ms - short.span_ms) / steps, 4),
+        "kernels_per_step": round((long.kernels - short.kernels) / steps, 4),
+        "idle_ms_per_step_before": dict(sorted(idle.items(), key=lambda item: -item[1])),
+    }
 
 
 def percentile(values: list[float], share: float) -> float:

@@ -1,4 +1,5 @@
-"""bench.engine_step: the union of kernel intervals it reads the device's idle time from, and a CPU run."""
+"""bench.timing's kernel timeline (the union of kernel intervals, and the idle time before each group of kernels)
+that bench.engine_step and bench.generate read the device's idle time from, and a CPU run of bench.engine_step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench import engine_step
+from bench import engine_step, timing
 
 
 @pytest.mark.parametrize(
@@ -22,7 +23,33 @@ from bench import engine_step
     ],
 )
 def test_busy_time_is_the_union_of_the_kernels_intervals(intervals: list[tuple[int, int]], covered: int) -> None:
-    assert engine_step.busy_union(intervals) == covered
+    seen = timing.timeline(("k", start, end) for start, end in intervals)
+    assert seen.busy_ms == covered
+    assert seen.span_ms - seen.busy_ms == sum(seen.idle_ms_before.values())
+
+
+def test_each_gap_counts_for_the_group_of_the_kernel_that_ends_it() -> None:
+    kernels = [
+        ("triton_poi_fused_add_0", 0.0, 2.0),
+        ("ampere_bf16_gemv", 3.0, 5.0),  # 1 ms idle before a matrix product
+        ("flash_fwd_splitkv_kernel", 5.0, 6.0),  # none: touching
+        ("small_linear_kernel", 6.5, 7.0),  # 0.5 ms before a linear kernel (a matrix product)
+        ("triton_red_fused_native_layer_norm_1", 9.0, 10.0),  # 2 ms before a norm
+        ("nested", 9.2, 9.5),  # inside the norm's interval: no gap
+        ("empty", 11.0, 11.0),  # no duration: left out
+    ]
+    seen = timing.timeline(kernels)
+    assert seen.idle_ms_before == {"matrix_products": 1.5, "norms": 2.0}
+    assert (seen.kernels, seen.span_ms, seen.busy_ms) == (6, 10.0, 6.5)
+    assert seen.kernel_ms == pytest.approx(6.8)
+
+
+def test_a_steps_idle_time_is_what_more_steps_added_per_step() -> None:
+    short = timing.timeline([("gemm", 0.0, 1.0), ("norm", 2.0, 3.0)])
+    long = timing.timeline([("gemm", 0.0, 1.0), ("norm", 2.0, 3.0), ("gemm", 5.0, 6.0), ("norm", 8.0, 9.0)])
+    step = timing.per_step(short, long, 2)
+    assert step["idle_ms_per_step_before"] == {"matrix_products": 1.0, "norms": 1.0}
+    assert (step["span_ms_per_step"], step["busy_ms_per_step"], step["kernels_per_step"]) == (3.0, 1.0, 1.0)
 
 
 @pytest.mark.slow
