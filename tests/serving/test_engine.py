@@ -459,6 +459,8 @@ def test_bad_requests_are_refused_before_any_work(
         ({"max_new_tokens": 60}, InvalidArgumentError, r"max_length is 64 \(prompt 4 \+ new tokens\); the engine"),
         ({"max_length": 30}, InvalidArgumentError, r"max_length is 30 \(prompt 4"),
         ({"encoder_no_repeat_ngram_size": 2}, UnsupportedGenerationError, "encoder_no_repeat_ngram_size"),
+        ({"exponential_decay_length_penalty": (2, 1.5)}, UnsupportedGenerationError,
+         "exponential_decay_length_penalty"),
         ({"do_sample": True, "num_return_sequences": 2}, InvalidArgumentError,
          "num_return_sequences=2, which takes 2 of the engine's rows; the engine has 1"),
         ({"return_dict_in_generate": True}, UnsupportedGenerationError, "return_dict_in_generate=True"),

@@ -142,6 +142,8 @@ def unsupported_by_rows(config: GenerationConfig) -> str | None:
         return "return_dict_in_generate=True (scores, logits; Whisper asks for them for its thresholds)"
     if getattr(config, "encoder_no_repeat_ngram_size", None):
         return "encoder_no_repeat_ngram_size (its rule reads one encoder input for the whole batch)"
+    if getattr(config, "exponential_decay_length_penalty", None) is not None:
+        return "exponential_decay_length_penalty (its rule reads one length for the whole batch)"
     return None
 
 
