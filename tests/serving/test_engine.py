@@ -617,6 +617,42 @@ def test_left_padded_prompts_decode_as_generate_decodes_them(llama: zoo.ZooModel
             assert torch.equal(got, alone(model, **request))
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"do_sample": True, "num_return_sequences": 3},  # the per-row pipeline
+        {"num_beams": 3, "num_return_sequences": 2},  # a beam program
+        # programs of their own processors
+        {"do_sample": True, "num_return_sequences": 2, "eta_cutoff": 0.03},
+        {"do_sample": True, "num_return_sequences": 2, "epsilon_cutoff": 0.03},
+    ],
+    ids=["sampled-sequences", "beams", "eta-program", "epsilon-program"],
+)
+def test_a_repetition_penalty_skips_the_pads_of_a_request_of_several_rows(
+    llama: zoo.ZooModel, settings: dict[str, Any]
+) -> None:
+    """`generate` gives the penalty one padding length per sequence of a left-padded prompt; the rows take the
+    one length they share (before, a request of several rows failed as it joined, its lengths against the
+    engine's rows: 'The size of tensor a (4) must match the size of tensor b (3)')."""
+    model = llama.model
+    requests = [
+        {**zoo.left_padded(llama.inputs(1, 9, index), 2 + index, pad_token_id=0), "max_new_tokens": 5 + index,
+         "repetition_penalty": 0.8 if index else 1.3, **settings}
+        for index in range(2)
+    ]  # fmt: skip
+
+    def seeded(index: int) -> torch.Generator | None:
+        return torch.Generator().manual_seed(index) if settings.get("do_sample") else None
+
+    with Engine(model, rows=4, max_length=32, compile_step=False) as engine:
+        futures = [engine.submit(**request, generator=seeded(index)) for index, request in enumerate(requests)]
+        results = [future.result(timeout=120) for future in futures]
+    for index, (request, got) in enumerate(zip(requests, results, strict=True)):
+        assert torch.equal(got, alone(model, generator=seeded(index), **request)), index
+        if not settings.get("do_sample"):
+            assert torch.equal(got, zoo.generate_tokens(model, request))
+
+
 def test_a_place_is_free_before_the_future_resolves(llama: zoo.ZooModel) -> None:
     """A caller that submits again the moment it has its result (here: in the future's callback, which runs
     as the future resolves) finds its place free, round after round."""

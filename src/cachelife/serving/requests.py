@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any
 
+import attrs
 import torch
 from attrs import define, field
 from transformers import GenerationConfig, PreTrainedModel
@@ -25,6 +26,7 @@ from cachelife.generation.arguments import int_field, merged_config, unsupported
 from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.method import unsupported_criterion, unsupported_prompt, unsupported_window
 from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
+from cachelife.generation.tensor_processors import RepetitionPenalty
 from cachelife.serving.model_facts import vocab_size
 from cachelife.serving.row_settings import PerRow
 from cachelife.serving.rows import unsupported_for_rows
@@ -224,12 +226,24 @@ def prepared_processors(
     )
     converted: tuple[TensorProcessor, ...] = ()
     if reason is None:
-        converted = tensor_processors(processors, vocab_size=vocab, device=model.device)
+        converted = one_prompts(tensor_processors(processors, vocab_size=vocab, device=model.device))
         reason = unsupported_for_rows(converted, processors)
     if reason is not None:
         msg = f"the engine does not decode {reason}; call cachelife.generate for this request"
         raise UnsupportedGenerationError(msg)
     return converted
+
+
+def one_prompts(converted: tuple[TensorProcessor, ...]) -> tuple[TensorProcessor, ...]:
+    """A request's processors as every row of its program runs them: a repetition penalty's padding lengths,
+    which `generate` gives once per sequence (beams, sampled sequences), as the one length they all are (an engine
+    request is one prompt, expanded), so that they apply to however many rows the program has."""
+    return tuple(
+        attrs.evolve(processor, ignore=processor.ignore[:1])
+        if isinstance(processor, RepetitionPenalty) and processor.ignore is not None
+        else processor
+        for processor in converted
+    )
 
 
 def wait_for(joining: Joining, lock: threading.Lock, waiting: deque[Joining]) -> torch.Tensor:

@@ -151,12 +151,10 @@ def _kept_filtered(processor: lp.LogitsProcessor) -> str | None:
 def _values(processor: lp.LogitsProcessor, eos: tuple[int, ...]) -> dict[str, object] | str:  # noqa: PLR0911, PLR0912 (one case per stage)
     match processor:
         case lp.RepetitionPenaltyLogitsProcessor():
+            # The padding lengths, one per sequence of the request's one prompt (sampled sequences): all equal.
             ignore = getattr(processor, "prompt_ignore_length", None)
-            skipped = 0 if ignore is None else _ids(ignore)
-            if isinstance(skipped, tuple) and len(skipped) != 1:
-                return "a RepetitionPenaltyLogitsProcessor of several rows"
-            return {"repetition_penalty": float(processor.penalty),
-                    "repetition_ignore": skipped if isinstance(skipped, int) else skipped[0]}  # fmt: skip
+            skipped = 0 if ignore is None else _ids(ignore)[0]
+            return {"repetition_penalty": float(processor.penalty), "repetition_ignore": skipped}
         case lp.NoRepeatNGramLogitsProcessor():
             size = int(processor.ngram_size)
             if size > LONGEST_NGRAM:

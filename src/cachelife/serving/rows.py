@@ -31,6 +31,7 @@ from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.penalties import Occurrences
 from cachelife.generation.processors import Called, TensorProcessor
 from cachelife.generation.tensor_processors import (
+    Eta,
     ForceAt,
     NoEosBefore,
     NoRepeatNGram,
@@ -55,6 +56,7 @@ PER_ROW: Final = "per-row"
 # arithmetic holds with one length per row.
 _ROW_SAFE: Final = (
     Called,
+    Eta,
     SuppressAtBegin,
     NoEosBefore,
     ForceAt,
