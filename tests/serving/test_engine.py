@@ -476,6 +476,16 @@ def test_what_the_engine_does_not_decode_is_refused_at_submit_by_name(
         assert engine.stats().held == 0
 
 
+def test_several_sequences_of_a_whisper_request_are_refused_at_submit_by_name() -> None:
+    # Whisper's generate decodes them as a batch of copies of the audio (before, the request's future failed
+    # once generate had prepared it, naming "3 sequences for one request of 1 row(s)").
+    built = build("whisper")
+    with Engine(built.model, rows=4, max_length=16, compile_step=False) as engine:
+        with pytest.raises(UnsupportedGenerationError, match="num_return_sequences=3 for Whisper"):
+            engine.submit(**built.inputs(1, 0, 0), max_new_tokens=3, do_sample=True, num_return_sequences=3)
+        assert engine.stats().held == 0
+
+
 def test_what_generate_prepares_past_the_rows_fails_the_request_by_name() -> None:
     # Whisper's decoder prompt is known once its generate prepared it: a request whose prompt and new tokens
     # pass the engine's max_length fails its future, naming both.

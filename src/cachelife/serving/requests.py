@@ -130,6 +130,7 @@ def check_request(model: PreTrainedModel, kwargs: dict[str, Any], *, streamed: b
         or unsupported_config(config)
         or unsupported_by_rows(config)
         or host_stops_with_beams(kwargs, config)
+        or whisper_sequences(model, config)
     )
     if feature is not None:
         msg = f"the engine does not decode {feature}; call cachelife.generate for it"
@@ -146,6 +147,15 @@ def unsupported_by_rows(config: GenerationConfig) -> str | None:
         return "encoder_no_repeat_ngram_size (its rule reads one encoder input for the whole batch)"
     if getattr(config, "exponential_decay_length_penalty", None) is not None:
         return "exponential_decay_length_penalty (its rule reads one length for the whole batch)"
+    return None
+
+
+def whisper_sequences(model: PreTrainedModel, config: GenerationConfig) -> str | None:
+    """Several sequences of one Whisper request: its `generate` decodes them as a batch of copies of the audio,
+    which the engine's one-request rows do not take."""
+    sequences = int_field(config, "num_return_sequences")
+    if model.config.model_type == "whisper" and sequences > 1:
+        return f"num_return_sequences={sequences} for Whisper (its generate decodes them as a batch of the audio)"
     return None
 
 
