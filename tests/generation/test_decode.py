@@ -132,3 +132,34 @@ def test_compiled_step_equals_generate_and_eager_sampling(name: str) -> None:
         )  # fmt: skip
 
     assert torch.equal(sample(True), sample(False))
+
+
+def after_draws(seed: int, draws: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The state of a generator seeded with `seed` after `draws` draws of exponential noise of `shape`."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(draws):
+        torch.empty(shape).exponential_(generator=generator)
+    return generator.get_state()
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_a_sampled_call_leaves_its_generator_one_draw_per_token_step(steps_per_call: int) -> None:
+    """Whatever the calls drew ahead (a call's steps, calls before the host saw the end), the generator is left
+    as one (rows, vocab) draw per new token (before, 9 draws for 1 token at one step per call): the next call on
+    it, or the next pass of one request (Whisper's segments), draws what it would after exactly those tokens."""
+    built = zoo.build("llama")
+    ends = list(range(40, 200, 10))  # many end tokens: some calls end long before their budget
+    vocab = int(built.model.config.vocab_size)
+    lengths = set()
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        tokens = cachelife.generate(
+            built.model, **built.inputs(2, 4, seed), max_new_tokens=12, do_sample=True, top_k=3, eos_token_id=ends,
+            generator=generator, steps_per_call=steps_per_call, compile_step=False, fallback=False,
+        )  # fmt: skip
+        assert isinstance(tokens, torch.Tensor)
+        new = int(tokens.shape[1]) - 4
+        lengths.add(new)
+        assert torch.equal(generator.get_state(), after_draws(seed, new, (2, vocab))), (seed, new)
+    assert len(lengths) > 1  # calls that ended at other steps
+    assert min(lengths) < 12  # and before their budget

@@ -486,6 +486,36 @@ def test_several_sequences_of_a_whisper_request_are_refused_at_submit_by_name() 
         assert engine.stats().held == 0
 
 
+def test_a_request_leaves_its_generator_where_its_own_generate_leaves_it(llama: zoo.ZooModel) -> None:
+    """One draw per token step, whatever the rows drew ahead: a caller that reuses its generator for its next
+    request draws what it would after `cachelife.generate` (before, the engine's rows drew more: a call past
+    the row's end, which the host sees a call later)."""
+    ends = list(range(40, 200, 10))
+    requests = [{**llama.inputs(1, 4, index), "max_new_tokens": 10, "do_sample": True, "top_k": 3,
+                 "eos_token_id": ends, **({"num_return_sequences": 2} if index % 2 else {})}
+                for index in range(4)]  # fmt: skip
+    mine = [torch.Generator().manual_seed(index) for index in range(4)]
+    with Engine(llama.model, rows=3, max_length=32, compile_step=False) as engine:
+        for future in [engine.submit(**request, generator=mine[index]) for index, request in enumerate(requests)]:
+            future.result(timeout=120)
+    for index, request in enumerate(requests):
+        theirs = torch.Generator().manual_seed(index)
+        alone(llama.model, generator=theirs, **request)
+        assert torch.equal(mine[index].get_state(), theirs.get_state()), index
+
+
+def test_sampled_whisper_segments_decode_as_their_own_generate() -> None:
+    """A sampled Whisper request with timestamps decodes a second pass (its next segment) from the generator
+    its first pass left, as its own `generate` does (before, that pass drew other noise: other tokens)."""
+    built = build("whisper")
+    request = {**built.inputs(1, 0, 0), "max_new_tokens": 7, "return_timestamps": True, "do_sample": True}
+    with Engine(built.model, rows=2, max_length=32, compile_step=False) as engine:
+        futures = [engine.submit(**request, generator=torch.Generator().manual_seed(seed)) for seed in range(6)]
+        results = [future.result(timeout=120) for future in futures]
+    for seed, got in enumerate(results):
+        assert torch.equal(got, alone(built.model, generator=torch.Generator().manual_seed(seed), **request)), seed
+
+
 def test_what_generate_prepares_past_the_rows_fails_the_request_by_name() -> None:
     # Whisper's decoder prompt is known once its generate prepared it: a request whose prompt and new tokens
     # pass the engine's max_length fails its future, naming both.

@@ -29,6 +29,7 @@ from transformers.utils import ModelOutput
 from cachelife.core.cache_lifecycle import lifecycle
 from cachelife.generation.arguments import beam_fill, early_stopping, eos_ids, float_field, int_field, special_tokens
 from cachelife.generation.beams import BeamPlan, BeamState, beam_output, beam_step, buffer_width, reorder_cache
+from cachelife.generation.draws import DrawStates
 from cachelife.generation.greedy import Choice, GreedyState, choose_and_append
 from cachelife.generation.host import HostChecks
 from cachelife.generation.loop_settings import LoopSettings
@@ -46,7 +47,8 @@ class _Noise:
 
     The k-th token of a call is drawn with the generator's k-th draw, however many steps each call of the
     step runs: draws a call did not use (the first token's call, a graph's first call, which runs one step
-    before its capture) move to the front and are used first by the next call."""
+    before its capture) move to the front and are used first by the next call. At the end the generator is
+    left as `rewind` leaves it: one draw per token step, whatever the calls drew ahead."""
 
     def __init__(
         self, leases: StateLeases, key: str, shape: tuple[int, int], *, steps: int, config: GenerationConfig,
@@ -63,6 +65,7 @@ class _Noise:
         if config.do_sample and self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
         self.unused = 0  # leading buffers that hold draws no step has used yet
+        self.states = DrawStates()
         if self.generator is None:
             for buffer in self.buffers:
                 buffer.fill_(1.0)
@@ -71,8 +74,13 @@ class _Noise:
         """Fresh draws in the buffers after the unused ones, before a call of the step."""
         if self.generator is not None:
             for buffer in self.buffers[self.unused :]:
-                buffer.exponential_(generator=self.generator)
+                self.states.draw(buffer, self.generator)
         return self.buffers
+
+    def rewind(self, steps: int) -> None:
+        """Leave the generator as `steps` token steps' draws left it (see `DrawStates`)."""
+        if self.generator is not None:
+            self.states.rewind(self.generator, steps)
 
     def used(self, steps: int) -> None:
         """A call of the step ran `steps` steps: the draws it left move to the front."""
@@ -166,6 +174,7 @@ def greedy_search(
         run_steps(advance, host.check, max_length - prompt_length - 1, settings)
     host.finish()
     length = int(state.length)
+    noise.rewind(length - prompt_length)
     tokens: torch.Tensor = state.tokens[:, :length].clone()
     if record is None:
         return tokens

@@ -213,7 +213,10 @@ class Batch:
                 max_length=joining.max_length, logits=logits, noise=noise,
             )  # fmt: skip
         else:
-            choose_first(self.rows, first, logits[0], program, generator=joining.generator, count=joining.rows)
+            choose_first(
+                self.rows, first, logits[0], program, generator=joining.generator, draws=joining.draws,
+                count=joining.rows,
+            )  # fmt: skip
         return start
 
     def advance(self) -> None:
@@ -227,7 +230,7 @@ class Batch:
             generator = seat.joining.generator
             if generator is not None:
                 for buffer in self.noise[seat.unused :]:
-                    buffer[row : row + seat.size].exponential_(generator=generator)
+                    seat.joining.draws.draw(buffer[row : row + seat.size], generator)
         with self.row_positions.reading_rows() if self.row_positions is not None else contextlib.nullcontext():
             ran = self.programs[self.program.key][1]()
         for row, seat in self.seats.items():  # draws a call did not use come first in the next
@@ -324,9 +327,12 @@ class Batch:
             slot.move("finish", Finished(seat.joining.request.number))
             self.rows.free(slot.row)
             slot.move("free", Free())
+        joining = seat.joining
         if isinstance(self.program, BeamProgram):
             self.beam_states[self.program.key].running[row // seat.size] = False
-        hand_back(seat.joining, tokens=tokens, error=error)
+        elif joining.generator is not None and tokens is not None:  # one draw per token step, as generate leaves it
+            joining.draws.rewind(joining.generator, int(tokens.shape[1]) - joining.prompt)
+        hand_back(joining, tokens=tokens, error=error)
 
     def fail_all(self, error: BaseException) -> None:
         self.earlier = self.latest = None

@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput
 
 from cachelife.errors import InvalidArgumentError, RequestTimeoutError, UnsupportedGenerationError
 from cachelife.generation.arguments import int_field, merged_config, unsupported_argument, unsupported_config
+from cachelife.generation.draws import DrawStates
 from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.method import unsupported_criterion, unsupported_prompt, unsupported_window
 from cachelife.generation.processors import TensorProcessor, tensor_processors, unsupported_processor
@@ -80,6 +81,7 @@ class Joining:
     tokens: torch.Tensor | None = None
     error: BaseException | None = None
     abandoned: bool = False  # its thread stopped waiting (cancelled, timed out, its streamer failed)
+    draws: DrawStates = field(factory=DrawStates)  # its generator's state before each draw of its rows' noise
 
     @property
     def rows(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from attrs import frozen
 from transformers import PreTrainedModel
 
+from cachelife.generation.draws import DrawStates
 from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.penalties import Occurrences
 from cachelife.generation.processors import Called, TensorProcessor
@@ -307,15 +308,16 @@ def choose_first(
     program: Program,
     *,
     generator: torch.Generator | None,
+    draws: DrawStates,
     count: int = 1,
 ) -> None:
     """A newcomer's first token in each of its `count` rows from `row`, from its prefill's last `logits` (vocab,),
     chosen with its rows' processors and its generator's first draw ((count, vocab) at once, as `generate`
-    draws for its sequences); the other rows take no part."""
+    draws for its sequences, recorded in `draws`); the other rows take no part."""
     every, vocab, device = rows.length.shape[0], logits.shape[-1], logits.device
     noise = torch.ones(every, vocab, device=device)
     if generator is not None:
-        noise[row : row + count].exponential_(generator=generator)
+        draws.draw(noise[row : row + count], generator)
     among = torch.zeros(every, dtype=torch.bool, device=device)
     among[row : row + count] = True
     first = torch.zeros(every, vocab, device=device)
