@@ -28,7 +28,9 @@ from typing import Any, Final
 from attrs import define, field, frozen
 
 # Keys whose nested values are raw samples or machine detail rather than results.
-RAW: Final = frozenset({"call_s", "calls", "top", "counters", "saved", "tokens", "environment", "tail", "groups"})
+RAW: Final = frozenset({
+    "call_s", "calls", "top", "counters", "saved", "tokens", "environment", "tail", "groups", "idle_ms_per_step_before",
+})  # fmt: skip
 # Keys of the header, shown above a file's tables rather than in them.
 HEADER: Final = ("benchmark", "date", "device", "torch", "transformers", "cachelife", "python", "commit", "dirty")
 # A small object of plain values becomes columns; a larger one is a child section of rows.
@@ -165,8 +167,11 @@ def _is_plain(value: Any) -> bool:
 
 
 def _is_flat(value: Any) -> bool:
-    """A small object of plain values: columns of its parent's row."""
-    return isinstance(value, Mapping) and len(value) <= FLAT_FIELDS and all(_is_plain(item) for item in value.values())
+    """A small object of plain values (its raw keys aside): columns of its parent's row."""
+    if not isinstance(value, Mapping):
+        return False
+    shown = [item for key, item in value.items() if key not in RAW]
+    return len(shown) <= FLAT_FIELDS and all(_is_plain(item) for item in shown)
 
 
 def _split(node: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:

@@ -1,0 +1,45 @@
+"""The results tables of the documentation (docs/_ext/cachelife_docs/records.py): which nested values of a results
+file become columns of their parent's row. Loaded from its file: the extension's package imports Sphinx."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+RECORDS_FILE = Path(__file__).resolve().parents[2] / "docs" / "_ext" / "cachelife_docs" / "records.py"
+
+
+def load_records() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("cachelife_results_records", RECORDS_FILE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+records = load_records()
+
+
+def test_a_timeline_with_its_idle_breakdown_stays_columns_of_its_path() -> None:
+    # bench.timing's record: four plain fields and the idle time by kernel group, which the tables leave out (it
+    # made the timeline a section of its own, and the performance page's busy and span columns empty).
+    path = {
+        "ms_per_step": 3.1,
+        "timeline": {
+            "kernel_ms_per_step": 2.8, "busy_ms_per_step": 2.8, "span_ms_per_step": 3.2, "kernels_per_step": 710.5,
+            "idle_ms_per_step_before": {"norms": 0.15, "matrix_products": 0.16},
+        },
+    }  # fmt: skip
+    cells, nested = records._split(path)
+    assert nested == {}
+    assert cells["timeline.busy_ms_per_step"] == records.cell(2.8)
+    assert "timeline.idle_ms_per_step_before" not in cells
+
+
+def test_a_larger_object_is_a_section_of_its_own() -> None:
+    path = {"ms_per_step": 3.1, "timeline": dict.fromkeys("abcde", 1.0)}
+    cells, nested = records._split(path)
+    assert list(nested) == ["timeline"]
+    assert "timeline.a" not in cells
