@@ -3,7 +3,8 @@ left-padded with or without their mask, sampled sequences and beams, every proce
 end-token sets, bad words, stop strings with a tokenizer and streamers, through engines of 1 to 4 rows. Each
 request the engine takes equals its own `cachelife.generate` call (seeded alike), greedy ones and beams also
 `model.generate`; what it refuses, it refuses at `submit` by name. The hunt that found a left-padded request of
-several rows with a repetition penalty failing as it joined. Eager steps: seconds a model."""
+several rows with a repetition penalty failing as it joined. Eager steps in CI (seconds a model); compiled
+steps with the exhaustive tests (`nox -s slow`)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,22 @@ def seeded(request: dict[str, Any], index: int) -> torch.Generator | None:
 def test_every_request_the_engine_takes_decodes_as_its_own_generate(
     built: zoo.ZooModel, data: st.DataObject, rows: int, steps_per_call: int
 ) -> None:
+    check_mix(built, data, rows=rows, steps_per_call=steps_per_call, compile_step=False)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_request_the_compiled_engine_takes_decodes_as_its_own_generate(
+    built: zoo.ZooModel, data: st.DataObject
+) -> None:
+    check_mix(built, data, rows=3, steps_per_call=2, compile_step=True)
+
+
+def check_mix(built: zoo.ZooModel, data: st.DataObject, *, rows: int, steps_per_call: int, compile_step: bool) -> None:
+    """Requests drawn from `data`, each equal to its own `cachelife.generate` (the same step, eager or
+    compiled) and, greedy ones and beams, to `model.generate`; refusals at submit, by name."""
     model = built.model
     decoder_only = not model.config.is_encoder_decoder
     strategy = client_requests(int(model.config.vocab_size), decoder_only)
@@ -106,7 +123,7 @@ def test_every_request_the_engine_takes_decodes_as_its_own_generate(
     taken: dict[int, Any] = {}
     refusals: list[str] = []
     with Engine(
-        model, rows=rows, max_length=32, steps_per_call=steps_per_call, compile_step=False,
+        model, rows=rows, max_length=32, steps_per_call=steps_per_call, compile_step=compile_step,
         encoder_length=encoder_length,
     ) as engine:  # fmt: skip
         for index, request in enumerate(requests):
@@ -114,13 +131,14 @@ def test_every_request_the_engine_takes_decodes_as_its_own_generate(
                 taken[index] = engine.submit(**request, generator=seeded(request, index), streamer=streamers[index])
             except (InvalidArgumentError, UnsupportedGenerationError) as error:  # refused at submit
                 refusals.append(str(error))
-        results = {index: future.result(timeout=300) for index, future in taken.items()}
-    # More rows than the engine has, or what the rows do not decode, named.
-    assert all("engine's rows" in why or "the engine does not decode" in why for why in refusals), refusals
+        results = {index: future.result(timeout=600) for index, future in taken.items()}
+    # More rows than the engine has, what the rows do not decode, or settings transformers' own checks refuse.
+    named = ("engine's rows", "the engine does not decode", "generation settings are invalid")
+    assert all(any(reason in why for reason in named) for why in refusals), refusals
     for index, got in results.items():
         request = requests[index]
         want = cachelife.generate(
-            model, fallback=False, compile_step=False, steps_per_call=steps_per_call,
+            model, fallback=False, compile_step=compile_step, steps_per_call=steps_per_call,
             generator=seeded(request, index), **request,
         )  # fmt: skip
         assert isinstance(want, torch.Tensor)
