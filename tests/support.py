@@ -1,12 +1,15 @@
 """Helpers the tests share: waiting for an engine's state, one request decoded alone, requests of several
 sampled sequences, tiny encoder-decoder models of transformers' families by name, and an encoder forward held
-while other calls arrive."""
+while other calls arrive, and the docs extension's modules loaded from their files."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,6 +20,19 @@ from transformers import PreTrainedModel
 
 import cachelife
 from cachelife.tools import zoo
+
+DOCS_EXTENSION = Path(__file__).resolve().parents[1] / "docs" / "_ext" / "cachelife_docs"
+
+
+def docs_module(name: str) -> ModuleType:
+    """A module of the docs extension (`docs/_ext/cachelife_docs/<name>.py`) loaded from its file: the
+    extension's package imports Sphinx, which only the docs environment has."""
+    spec = importlib.util.spec_from_file_location(f"cachelife_docs_{name}", DOCS_EXTENSION / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def until(condition: Callable[[], bool], seconds: float = 60.0) -> None:

@@ -6,34 +6,20 @@ The table is loaded from its file: the docs extension's package imports Sphinx, 
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
-from types import ModuleType
 
 import attrs
 
 import cachelife
+from support import docs_module
 
-GROUPS_FILE = Path(__file__).resolve().parents[2] / "docs" / "_ext" / "cachelife_docs" / "api_groups.py"
-
-
-def load_groups() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cachelife_api_groups", GROUPS_FILE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-api_groups = load_groups()
+api_groups = docs_module("api_groups")
 
 
 def test_every_public_name_is_listed_by_exactly_one_group() -> None:
     listed = Counter(name for group in api_groups.GROUPS for name in group.names)
     unlisted = sorted(set(cachelife.__all__) - set(listed))
-    assert unlisted == [], f"give these public names a group in {GROUPS_FILE}: {unlisted}"
+    assert unlisted == [], f"give these public names a group in docs/_ext/cachelife_docs/api_groups.py: {unlisted}"
     assert sorted(name for name, count in listed.items() if count > 1) == []
     assert sorted(set(listed) - set(cachelife.__all__)) == []
 

@@ -3,23 +3,9 @@ file become columns of their parent's row. Loaded from its file: the extension's
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
+from support import docs_module
 
-RECORDS_FILE = Path(__file__).resolve().parents[2] / "docs" / "_ext" / "cachelife_docs" / "records.py"
-
-
-def load_records() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cachelife_results_records", RECORDS_FILE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-records = load_records()
+records = docs_module("records")
 
 
 def test_a_timeline_with_its_idle_breakdown_stays_columns_of_its_path() -> None:

@@ -213,10 +213,8 @@ class Batch:
                 max_length=joining.max_length, logits=logits, noise=noise,
             )  # fmt: skip
         else:
-            choose_first(
-                self.rows, first, logits[0], program, generator=joining.generator, draws=joining.draws,
-                count=joining.rows,
-            )  # fmt: skip
+            choose_first(self.rows, first, logits[0], program, generator=joining.generator, draws=joining.draws,
+                         count=joining.rows)  # fmt: skip
         return start
 
     def advance(self) -> None:
