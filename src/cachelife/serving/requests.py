@@ -238,7 +238,7 @@ def prepared_processors(
     )
     converted: tuple[TensorProcessor, ...] = ()
     if reason is None:
-        converted = one_prompts(tensor_processors(processors, vocab_size=vocab, device=model.device))
+        converted = processors_for_rows(tensor_processors(processors, vocab_size=vocab, device=model.device))
         reason = unsupported_for_rows(converted, processors)
     if reason is not None:
         msg = f"the engine does not decode {reason}; call cachelife.generate for this request"
@@ -246,7 +246,7 @@ def prepared_processors(
     return converted
 
 
-def one_prompts(converted: tuple[TensorProcessor, ...]) -> tuple[TensorProcessor, ...]:
+def processors_for_rows(converted: tuple[TensorProcessor, ...]) -> tuple[TensorProcessor, ...]:
     """A request's processors as every row of its program runs them: a repetition penalty's padding lengths,
     which `generate` gives once per sequence (beams, sampled sequences), as the one length they all are (an engine
     request is one prompt, expanded), so that they apply to however many rows the program has."""
