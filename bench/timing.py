@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
@@ -95,6 +95,8 @@ class Timeline:
     span_ms: float
     kernels: int
     idle_ms_before: dict[str, float]
+    # (kernels, summed ms) by kernel name
+    by_name: dict[str, tuple[int, float]] = field(factory=dict)
 
 
 def timeline(kernels: Iterable[tuple[str, float, float]]) -> Timeline:
@@ -110,24 +112,57 @@ def timeline(kernels: Iterable[tuple[str, float, float]]) -> Timeline:
             idle[group] = idle.get(group, 0.0) + start - reached
         busy += max(0.0, end - max(start, reached))
         reached = max(reached, end)
+    by_name: dict[str, tuple[int, float]] = {}
+    for start, end, name in ranges:
+        count, ms = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, ms + end - start)
     summed = sum(end - start for start, end, _ in ranges)
     span = max(end for _, end, _ in ranges) - ranges[0][0] if ranges else 0.0
-    return Timeline(kernel_ms=summed, busy_ms=busy, span_ms=span, kernels=len(ranges), idle_ms_before=idle)
+    return Timeline(
+        kernel_ms=summed, busy_ms=busy, span_ms=span, kernels=len(ranges), idle_ms_before=idle, by_name=by_name
+    )
+
+
+TOP_KERNELS = 16
+"""Kernel names `per_step` lists, those that added the most time per step."""
+NAME_LENGTH = 100
+"""Characters of a kernel's name `per_step` keeps (template instantiations run to thousands)."""
 
 
 def per_step(short: Timeline, long: Timeline, steps: int) -> dict[str, Any]:
-    """What `steps` more decoding steps added to a timeline, per step (`kernel_timeline`'s record)."""
+    """What `steps` more decoding steps added to a timeline, per step (`kernel_timeline`'s record): its figures,
+    the idle time before each group of kernels, and per group and for the `TOP_KERNELS` names that added most
+    time, kernels and milliseconds per step."""
     groups = sorted(set(short.idle_ms_before) | set(long.idle_ms_before))
     idle = {
         group: round((long.idle_ms_before.get(group, 0.0) - short.idle_ms_before.get(group, 0.0)) / steps, 4)
         for group in groups
     }
+    added: dict[str, tuple[float, float]] = {}
+    for name in set(short.by_name) | set(long.by_name):
+        short_count, short_ms = short.by_name.get(name, (0, 0.0))
+        long_count, long_ms = long.by_name.get(name, (0, 0.0))
+        added[name] = ((long_count - short_count) / steps, (long_ms - short_ms) / steps)
+    by_group: dict[str, list[float]] = {}
+    for name, (count, ms) in added.items():
+        group = by_group.setdefault(group_of(name), [0.0, 0.0])
+        group[0] += count
+        group[1] += ms
+    top = sorted(added.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     return {
         "kernel_ms_per_step": round((long.kernel_ms - short.kernel_ms) / steps, 4),
         "busy_ms_per_step": round((long.busy_ms - short.busy_ms) / steps, 4),
         "span_ms_per_step": round((long.span_ms - short.span_ms) / steps, 4),
         "kernels_per_step": round((long.kernels - short.kernels) / steps, 4),
         "idle_ms_per_step_before": dict(sorted(idle.items(), key=lambda item: -item[1])),
+        "groups": {
+            group: {"kernels_per_step": round(count, 2), "ms_per_step": round(ms, 4)}
+            for group, (count, ms) in sorted(by_group.items(), key=lambda item: -item[1][1])
+        },
+        "top": [
+            {"kernel": name[:NAME_LENGTH], "kernels_per_step": round(count, 2), "ms_per_step": round(ms, 4)}
+            for name, (count, ms) in top
+        ],
     }
 
 

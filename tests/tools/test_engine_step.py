@@ -52,6 +52,26 @@ def test_a_steps_idle_time_is_what_more_steps_added_per_step() -> None:
     assert (step["span_ms_per_step"], step["busy_ms_per_step"], step["kernels_per_step"]) == (3.0, 1.0, 1.0)
 
 
+def test_a_step_names_the_kernels_and_groups_that_added_most_time() -> None:
+    short = timing.timeline([("ampere_bf16_gemv", 0.0, 1.0), ("triton_red_fused_layer_norm_0", 1.0, 1.5)])
+    long = timing.timeline([
+        ("ampere_bf16_gemv", 0.0, 1.0), ("triton_red_fused_layer_norm_0", 1.0, 1.5),
+        ("ampere_bf16_gemv", 2.0, 5.0), ("triton_red_fused_layer_norm_0", 5.0, 5.5),
+        ("ampere_bf16_gemv", 6.0, 7.0), ("flash_fwd_kernel", 7.0, 7.25),
+    ])  # fmt: skip
+    step = timing.per_step(short, long, 2)
+    assert step["top"] == [
+        {"kernel": "ampere_bf16_gemv", "kernels_per_step": 1.0, "ms_per_step": 2.0},
+        {"kernel": "triton_red_fused_layer_norm_0", "kernels_per_step": 0.5, "ms_per_step": 0.25},
+        {"kernel": "flash_fwd_kernel", "kernels_per_step": 0.5, "ms_per_step": 0.125},
+    ]
+    assert step["groups"] == {
+        "matrix_products": {"kernels_per_step": 1.0, "ms_per_step": 2.0},
+        "norms": {"kernels_per_step": 0.5, "ms_per_step": 0.25},
+        "attention": {"kernels_per_step": 0.5, "ms_per_step": 0.125},
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive
 def test_a_cpu_run_writes_each_rows_wall_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
