@@ -4,7 +4,7 @@
                              [--batches 1,8] [--dtype bfloat16] [--tokens 16,80] [--beams 0] [--input-length 64]
                              [--steps-per-call 1,4] [--paths eager,auto,forward,cachelife,cachelife_cudnn]
                              [--cuda-graphs cachelife,torch] [--trees-steps-per-call 1]
-                             [--levers fuse_projections,decode_attention,small_linear,fast_kernels,fast,all]
+                             [--levers fuse_projections,decode_attention,small_linear,fused_layers,...]
                              [--repeats 3] [--tiny] [--out DIR] [--tag NAME]
 
 For each model and batch size, in one process, on the same inputs and the model's own generation config
@@ -66,11 +66,14 @@ LEVERS: dict[str, cachelife.Options] = {
     "fuse_projections": cachelife.Options(fuse_projections=True),
     "decode_attention": cachelife.Options(decode_attention=True),
     "small_linear": cachelife.Options(small_linear=True),
+    "fused_layers": cachelife.Options(fused_layers=True),
+    "layers_projections": cachelife.Options(fused_layers=True, fuse_projections=True),
     "fast_kernels": cachelife.Options(compile_options=cachelife.FAST_KERNELS),
     "fast": cachelife.FAST,
     "all": attrs.evolve(cachelife.FAST, small_linear=True),
 }
-"""`--levers` names: one lever alone, `FAST`, and `FAST` with the few-row linear kernel."""
+"""`--levers` names: one lever alone, fused layers with fused projections, `FAST`, and `FAST` with the few-row
+linear kernel."""
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
 LLAMAS = ("llama-3.2-1b",)

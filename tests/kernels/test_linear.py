@@ -147,9 +147,15 @@ def compile_kernel() -> None:
     compiler = importlib.import_module("triton.compiler")
     target = importlib.import_module("triton.backends.compiler").GPUTarget("cuda", 90, 32)
     kernel = importlib.import_module("triton.runtime.jit").JITFunction(small_linear_kernel)
-    for dtype, has_bias, blocks in (("bf16", True, (1, 4, 1024)), ("fp32", False, (8, 64, 16))):
-        constants = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks, strict=True)) | {"HAS_BIAS": has_bias}
-        pointers = dict.fromkeys(("x", "weight", "bias", "out"), f"*{dtype}")
+    plain = {"NORM": 0, "NORM_BIAS": False, "ACTIVATION": 0, "HAS_RESIDUAL": False}
+    layer = {"NORM": 1, "NORM_BIAS": True, "ACTIVATION": 1, "HAS_RESIDUAL": True}  # every prologue and epilogue
+    for dtype, has_bias, blocks, more in (
+        ("bf16", True, (1, 4, 1024), plain), ("fp32", False, (8, 64, 16), plain),
+        ("bf16", True, (2, 16, 256), layer), ("fp32", False, (1, 8, 512), plain | {"NORM": 2}),
+    ):  # fmt: skip
+        constants = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks, strict=True)) | {"HAS_BIAS": has_bias} | more
+        pointers = dict.fromkeys(("x", "weight", "bias", "out", "norm_weight", "norm_bias", "residual"), f"*{dtype}")
+        pointers["eps"] = "fp32"
         signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
         source = compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
         if "cubin" not in compiler.compile(source, target=target, options={"num_warps": 4}).asm:

@@ -102,21 +102,24 @@ class DecodingGuard:
         model.__dict__[_GUARD_ATTRIBUTE] = self
 
     def apply_options(self, model: PreTrainedModel, options: Options) -> None:
-        """Make `options` the model's: undo each rewrite they turn off (in the reverse order of `REWRITES`), then
-        apply each they turn on. Any change of the options releases the model's runtime: its captured graphs and
-        compiled steps read the weights where they were, call the attention they were traced with, run their
-        products as they were traced, were compiled with the layers as they were and with the inductor options
-        they were. Callers check the rewrites first (`check_rewrites`)."""
+        """Make `options` the model's, keeping the rewrites applied in the order of `REWRITES` (a later rewrite
+        may build on an earlier one's modules): from the first rewrite whose lever changes on, undo those applied
+        (newest first), then apply those `options` turn on. Any change of the options releases the model's
+        runtime: its captured graphs and compiled steps read the weights where they were, call the attention they
+        were traced with, run their products as they were traced, were compiled with the layers as they were and
+        with the inductor options they were. Callers check the rewrites first (`check_rewrites`)."""
         if options == self._options:
             return
         runtime = runtime_of(model)
         with runtime.lock:
             try:
-                for rewrite in reversed(REWRITES):
-                    if not rewrite.wanted(options) and rewrite.option in self._restores:
+                changed = [rewrite.wanted(options) != (rewrite.option in self._restores) for rewrite in REWRITES]
+                affected = REWRITES[changed.index(True) :] if True in changed else ()
+                for rewrite in reversed(affected):
+                    if rewrite.option in self._restores:
                         self._restores.pop(rewrite.option)()
-                for rewrite in REWRITES:
-                    if rewrite.wanted(options) and rewrite.option not in self._restores:
+                for rewrite in affected:
+                    if rewrite.wanted(options):
                         self._restores[rewrite.option] = rewrite.apply(model)
                 self._options = options
             finally:

@@ -43,6 +43,10 @@ class Options:
       attention interface is refused with `UnsupportedGenerationError`.
     - `small_linear`: every decoding step's linear products of one row and few output features through
       cachelife's Triton kernel for few rows (`cachelife.kernels.linear`); the model itself is not changed.
+    - `fused_layers`: each decoder layer of a family cachelife knows (Whisper's) with its norms, activation and
+      residual adds folded into its products, for the few rows of a decoding step
+      (`cachelife.model_rewrites.fused_layers`, `cachelife.kernels.layer_linear`); the parameters are not
+      changed, and other models are left as they are, with a warning.
     - `compile_regions`: every layer of the model's stacks of identical layers marked as a compile region
       (`cachelife.model_rewrites.layer_regions`): a compiled step compiles one layer's code for all of them.
     - `compile_options`: inductor options added to the compilation of `cachelife.generate`'s steps on this
@@ -57,6 +61,7 @@ class Options:
     fuse_projections: bool = field(default=False, validator=_is_bool)
     decode_attention: bool = field(default=False, validator=_is_bool)
     small_linear: bool = field(default=False, validator=_is_bool)
+    fused_layers: bool = field(default=False, validator=_is_bool)
     compile_regions: bool = field(default=False, validator=_is_bool)
     # Left out of the hash (a mapping has none); equal options still hash equal.
     compile_options: CompileOptions = field(factory=lambda: MappingProxyType({}), converter=_read_only, hash=False)

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from cachelife.integration.options import Options
 from cachelife.model_rewrites.decode_attention import check_decode_attention, use_decode_attention
+from cachelife.model_rewrites.fused_layers import fuse_layers
 from cachelife.model_rewrites.fused_projections import fuse_projections
 from cachelife.model_rewrites.layer_regions import mark_layer_regions
 
@@ -56,6 +57,18 @@ def _steps_read_it(model: PreTrainedModel) -> Restore:
     return _restores_nothing
 
 
+def _fuse_layers(model: PreTrainedModel) -> Restore:
+    fused = fuse_layers(model)
+    if not fused.layers:
+        logger.warning(
+            "fused_layers=True: no layer of %s can be fused (%d left as they are; DEBUG logging of "
+            "cachelife.model_rewrites.fused_layers says why)",
+            type(model).__name__,
+            len(fused.skipped),
+        )
+    return fused.restore
+
+
 def _mark_regions(model: PreTrainedModel) -> Restore:
     regions = mark_layer_regions(model)
     if not regions.layers:
@@ -81,6 +94,7 @@ REWRITES: Final = (
     Rewrite("fuse_projections", _fuse),
     Rewrite("decode_attention", _switch_attention, check_decode_attention),
     Rewrite("small_linear", _steps_read_it),
+    Rewrite("fused_layers", _fuse_layers),
     Rewrite("compile_regions", _mark_regions),
 )
 

@@ -54,17 +54,47 @@ _TILE_ELEMENTS: Final = 4096
 _PROGRAMS_PER_SM: Final = 2
 
 
-def small_linear_kernel(  # noqa: PLR0917 (a Triton kernel: every pointer, size and stride positionally)
+def small_linear_kernel(  # noqa: PLR0912, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
     x: Pointer, weight: Pointer, bias: Pointer, out: Pointer,
-    rows: Scalar, features: Scalar, inputs: Scalar,
-    x_sm: Scalar, x_sk: Scalar, w_sn: Scalar, w_sk: Scalar, o_sm: Scalar, o_sn: Scalar,
+    norm_weight: Pointer, norm_bias: Pointer, residual: Pointer,
+    rows: Scalar, features: Scalar, inputs: Scalar, eps: Scalar,
+    x_sm: Scalar, x_sk: Scalar, w_sn: Scalar, w_sk: Scalar, o_sm: Scalar, o_sn: Scalar, r_sm: Scalar, r_sn: Scalar,
     HAS_BIAS: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
+    NORM: constexpr = 0, NORM_BIAS: constexpr = False, ACTIVATION: constexpr = 0, HAS_RESIDUAL: constexpr = False,
 ) -> None:  # fmt: skip
-    """In Triton's language: output features [program * BLOCK_N, + BLOCK_N) of every row."""
+    """In Triton's language: output features [program * BLOCK_N, + BLOCK_N) of every row.
+
+    A layer's few-row product (`cachelife.kernels.layer_linear`) adds a prologue and an epilogue, each rounding
+    where the separate operations round: NORM normalises the input rows first (1: layer norm with `norm_weight`
+    and, if NORM_BIAS, `norm_bias`; 2: Llama's RMS norm), ACTIVATION applies one to the product (1: GELU, erf
+    form) and HAS_RESIDUAL adds `residual` to it."""
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_in = n < features
     m_in = m < rows
+    dtype = out.dtype.element_ty
+    mean = tl.zeros([BLOCK_M], tl.float32)
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM != 0:
+        # Each program takes the rows' statistics over every input feature (the rows are a few KB): the mean
+        # first (layer norm), then the mean square about it.
+        if NORM == 1:
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for start in range(0, inputs, BLOCK_K):
+                k = start + tl.arange(0, BLOCK_K)
+                live = m_in[:, None] & (k < inputs)[None, :]
+                total += tl.sum(
+                    tl.load(x + m[:, None] * x_sm + k[None, :] * x_sk, mask=live, other=0.0).to(tl.float32), axis=1
+                )
+            mean = total / inputs
+        spread = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, inputs, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            live = m_in[:, None] & (k < inputs)[None, :]
+            row = tl.load(x + m[:, None] * x_sm + k[None, :] * x_sk, mask=live, other=0.0).to(tl.float32)
+            centred = tl.where(live, row - mean[:, None], 0.0)
+            spread += tl.sum(centred * centred, axis=1)
+        rstd = 1.0 / tl.sqrt(spread / inputs + eps)
     # Products summed per lane across the tiles, and across the lanes once at the end.
     partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for start in range(0, inputs, BLOCK_K):
@@ -72,16 +102,32 @@ def small_linear_kernel(  # noqa: PLR0917 (a Triton kernel: every pointer, size 
         k_in = k < inputs
         w = tl.load(weight + n[:, None] * w_sn + k[None, :] * w_sk, mask=n_in[:, None] & k_in[None, :], other=0.0)
         a = tl.load(x + m[:, None] * x_sm + k[None, :] * x_sk, mask=m_in[:, None] & k_in[None, :], other=0.0)
-        partial += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        a = a.to(tl.float32)
+        if NORM != 0:
+            scale = tl.load(norm_weight + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
+            if NORM == 1:
+                a = (a - mean[:, None]) * rstd[:, None] * scale
+                if NORM_BIAS:
+                    a += tl.load(norm_bias + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
+            else:
+                a = (a * rstd[:, None]).to(dtype).to(tl.float32) * scale
+            a = a.to(dtype).to(tl.float32)
+        partial += a[:, None, :] * w.to(tl.float32)[None, :, :]
     acc = tl.sum(partial, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-    target = out + m[:, None] * o_sm + n[None, :] * o_sn
-    tl.store(target, acc.to(out.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+    if ACTIVATION != 0 or HAS_RESIDUAL:
+        acc = acc.to(dtype).to(tl.float32)
+    if ACTIVATION == 1:
+        acc = (0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))).to(dtype).to(tl.float32)
+    live_out = m_in[:, None] & n_in[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(residual + m[:, None] * r_sm + n[None, :] * r_sn, mask=live_out, other=0.0).to(tl.float32)
+    tl.store(out + m[:, None] * o_sm + n[None, :] * o_sn, acc.to(dtype), mask=live_out)
 
 
 @functools.cache
-def _jitted() -> Any:
+def small_linear_launcher() -> Any:
     """The kernel, jitted on first use (after the process set TRITON_INTERPRET, if it does)."""
     return triton.jit(small_linear_kernel)
 
@@ -95,6 +141,13 @@ def plan_blocks(*, rows: int, features: int, inputs: int, programs: int) -> tupl
         block_n //= 2
     block_k = max(_TILE_ELEMENTS // (block_m * block_n), 16)
     return block_m, block_n, min(block_k, power_of_two_at_least(inputs))
+
+
+def launch_plan(*, rows: int, features: int, inputs: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, programs) of the kernel's launch for these static shapes on `device`."""
+    wanted = _PROGRAMS_PER_SM * multiprocessors(device)
+    block_m, block_n, block_k = plan_blocks(rows=rows, features=features, inputs=inputs, programs=wanted)
+    return block_m, block_n, block_k, math.ceil(features / block_n)
 
 
 def input_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -120,12 +173,11 @@ def _triton_small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out.reshape(*x.shape[:-1], features)
     if inputs == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand_as(out))).reshape(*x.shape[:-1], features)
-    programs = _PROGRAMS_PER_SM * multiprocessors(x.device)
-    block_m, block_n, block_k = plan_blocks(rows=rows, features=features, inputs=inputs, programs=programs)
+    block_m, block_n, block_k, programs = launch_plan(rows=rows, features=features, inputs=inputs, device=x.device)
     with launching_on(x.device):
-        _jitted()[(math.ceil(features / block_n),)](
-            flat, weight, weight if bias is None else bias, out, rows, features, inputs,
-            *flat.stride(), *weight.stride(), *out.stride(),
+        small_linear_launcher()[(programs,)](
+            flat, weight, weight if bias is None else bias, out, weight, weight, weight, rows, features, inputs, 0.0,
+            *flat.stride(), *weight.stride(), *out.stride(), 0, 0,
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **LAUNCH,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], features)

@@ -33,7 +33,7 @@ the model unfused: its fused parameters share one storage, which safetensors ref
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
 import torch
@@ -57,6 +57,8 @@ CROSS_ATTENTION: Final = frozenset({"encoder_attn", "EncDecAttention", "crossatt
 
 # (the input, the fused product of it, a bit per member that has taken its slice)
 _Pending = tuple[torch.Tensor, torch.Tensor, int]
+Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""A linear product's function: (input, weight, bias) -> output, as `torch.nn.functional.linear`."""
 
 
 @define(eq=False, kw_only=True)
@@ -71,6 +73,9 @@ class ProjectionGroup:
     # The parameters as fused, compared by identity: another object means the member was given new ones.
     _parameters: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] = field(alias="parameters")
     _pending: _Pending | None = field(default=None, alias="pending")
+    # How the group multiplies its input by a weight and bias; another rewrite may fold a norm into it
+    # (`cachelife.model_rewrites.fused_layers`), and sets it back before this group is restored.
+    product: Product = field(default=nn.functional.linear)
 
     @property
     def weight_name(self) -> str:
@@ -148,15 +153,15 @@ class ProjectionGroup:
         """Member `index`'s projection of `hidden`: its slice of the group's product of `hidden`."""
         member = self.members[index]
         if torch.is_grad_enabled():
-            return nn.functional.linear(hidden, member.weight, member.bias)
+            return self.product(hidden, member.weight, member.bias)
         bit = 1 << index
         pending = self._pending
         if pending is not None and pending[0] is hidden and not pending[2] & bit:
             product, taken = pending[1], pending[2] | bit
         elif (weight := self._current_weight()) is not None:
-            product, taken = nn.functional.linear(hidden, weight, self._buffer(self.bias_name)), bit
+            product, taken = self.product(hidden, weight, self._buffer(self.bias_name)), bit
         else:
-            return nn.functional.linear(hidden, member.weight, member.bias)
+            return self.product(hidden, member.weight, member.bias)
         self._pending = None if taken == (1 << len(self.members)) - 1 else (hidden, product, taken)
         return product.narrow(-1, self.starts[index], member.out_features)
 
