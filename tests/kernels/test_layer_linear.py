@@ -45,8 +45,8 @@ def parts(rows: int, inputs: int, features: int, dtype: torch.dtype, device: str
 
 def arguments(case: str, given: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The keyword arguments of one prologue/epilogue case."""
-    layer = {"norm": Norm.LAYER, "norm_weight": given["norm_weight"], "norm_bias": given["norm_bias"]}
-    return {
+    layer: dict[str, Any] = {"norm": Norm.LAYER, "norm_weight": given["norm_weight"], "norm_bias": given["norm_bias"]}
+    cases: dict[str, dict[str, Any]] = {
         "layer_norm": layer,
         "layer_norm_without_bias": layer | {"norm_bias": None},
         "rms_norm": {"norm": Norm.RMS, "norm_weight": given["norm_weight"], "eps": 1e-6},
@@ -54,7 +54,8 @@ def arguments(case: str, given: dict[str, torch.Tensor]) -> dict[str, Any]:
         "residual": {"residual": given["residual"]},
         "norm_and_gelu": layer | {"activation": Activation.GELU},
         "everything": layer | {"activation": Activation.GELU, "residual": given["residual"]},
-    }[case]
+    }
+    return cases[case]
 
 
 CASES = ["layer_norm", "layer_norm_without_bias", "rms_norm", "gelu", "residual", "norm_and_gelu", "everything"]
@@ -73,8 +74,8 @@ def check(case: str, given: dict[str, torch.Tensor], *, bias: bool = True) -> No
 
 @needs_triton
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize(("rows", "inputs", "features", "dtype"), [(1, 96, 40, torch.float32), (3, 100, 37, torch.float32),
-                                                                  (2, 64, 130, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(("rows", "inputs", "features", "dtype"),
+                         [(1, 96, 40, torch.float32), (3, 100, 37, torch.float32), (2, 64, 130, torch.bfloat16)])  # fmt: skip
 def test_kernel_equals_the_operations_one_by_one(
     case: str, rows: int, inputs: int, features: int, dtype: torch.dtype
 ) -> None:
@@ -129,7 +130,7 @@ def test_the_op_traces_with_fullgraph() -> None:
 )
 def test_inputs_that_do_not_fit_are_refused_by_name(change: dict[str, Any], named: str) -> None:
     given = parts(2, 64, 48, torch.float32)
-    with pytest.raises(InvalidArgumentError, match="^layer_linear expects ") as error:
+    with pytest.raises(InvalidArgumentError, match=r"^layer_linear expects ") as error:
         layer_linear(given["x"], given["weight"], given["bias"], **change)
     assert named in str(error.value)
 
