@@ -72,10 +72,12 @@ def check(case: str, given: dict[str, torch.Tensor], *, bias: bool = True) -> No
     torch.testing.assert_close(output.double(), expected.double(), atol=tolerance, rtol=tolerance)
 
 
+SHAPES = [(1, 96, 40, torch.float32), (3, 100, 37, torch.float32), (2, 64, 130, torch.bfloat16)]
+
+
 @needs_triton
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize(("rows", "inputs", "features", "dtype"),
-                         [(1, 96, 40, torch.float32), (3, 100, 37, torch.float32), (2, 64, 130, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(("rows", "inputs", "features", "dtype"), SHAPES)
 def test_kernel_equals_the_operations_one_by_one(
     case: str, rows: int, inputs: int, features: int, dtype: torch.dtype
 ) -> None:

@@ -1,0 +1,149 @@
+"""Fused decoder layers (`cachelife.Options(fused_layers=True)`, `cachelife.model_rewrites.fused_layers`): Whisper's
+decoder layers with their norms, activation and residual adds in `cachelife::layer_linear`; the tokens of the
+unrewritten model; gradients; `disable` giving the model back; models it does not know left alone.
+
+Every token test also counts the op's calls, so that equality tests the rewritten layers and not their absence.
+Without Triton (or without `TRITON_INTERPRET=1`) the op runs the same operations in torch; with both, the
+kernel in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import cachelife
+from cachelife.model_rewrites.fused_layers import FusedLayerForward, fuse_layers
+from cachelife.tools import zoo
+
+OP = "cachelife::layer_linear"
+NEW = 6
+SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW, "min_new_tokens": NEW}
+# Per decoder layer and step: the fused query, key and value (3 unfused), the cross-attention's query, the two
+# output projections with their residuals, fc1 with its norm and activation, fc2 with its residual.
+CALLS_PER_LAYER = {False: 3 + 1 + 2 + 2, True: 1 + 1 + 2 + 2}
+
+
+def op_calls(model: PreTrainedModel, inputs: zoo.Inputs, **options: Any) -> tuple[int, torch.Tensor]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as profile:
+        output = cachelife.generate(model, fallback=False, **inputs, **SETTINGS, **options)
+    if not isinstance(output, torch.Tensor):
+        pytest.fail(f"cachelife.generate returned a {type(output).__name__}")
+    return sum(event.count for event in profile.key_averages() if event.key == OP), output
+
+
+def whisper(*, projections: bool) -> tuple[PreTrainedModel, zoo.Inputs, torch.Tensor]:
+    built = zoo.build("whisper")
+    model, inputs = built.model, built.inputs(2, 7, 1)
+    expected = zoo.generate_tokens(model, inputs, **SETTINGS)
+    cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=projections))
+    return model, inputs, expected
+
+
+@pytest.mark.parametrize("projections", [False, True])
+def test_whisper_decodes_its_eager_tokens_through_the_fused_products(projections: bool) -> None:
+    model, inputs, expected = whisper(projections=projections)
+    calls, tokens = op_calls(model, inputs, compile_step=False)
+    layers = model.config.decoder_layers
+    # Every step (the prefill and NEW - 1 more) ran each layer's products through the op.
+    assert calls == NEW * layers * CALLS_PER_LAYER[projections]
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_decodes_the_eager_tokens() -> None:
+    model, inputs, expected = whisper(projections=True)
+    assert torch.equal(cachelife.generate(model, fallback=False, **inputs, **SETTINGS), expected)
+
+
+def test_the_forward_equals_the_layers_as_written_for_many_rows_and_a_prompt() -> None:
+    """Teacher-forced logits, several rows of several positions (the prefill's shape), within float32 sums."""
+    built = zoo.build("whisper")
+    model, inputs = built.model, built.inputs(3, 5, 2)
+    decoder_ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(**inputs, decoder_input_ids=decoder_ids).logits
+        fused = fuse_layers(model)
+        output = model(**inputs, decoder_input_ids=decoder_ids).logits
+        fused.restore()
+    assert len(fused.layers) == model.config.decoder_layers
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_gradients_flow_as_through_the_layers_as_written() -> None:
+    built = zoo.build("whisper")
+    model, inputs = built.model, built.inputs(2, 5, 4)
+    decoder_ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model(**inputs, decoder_input_ids=decoder_ids, labels=decoder_ids).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    expected = gradients()
+    fused = fuse_layers(model)
+    output = gradients()
+    fused.restore()
+    assert output.keys() == expected.keys()
+    assert any("fc1" in name for name in output)
+    for name, grad in expected.items():
+        torch.testing.assert_close(output[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_disable_gives_every_forward_back() -> None:
+    model, _, _ = whisper(projections=True)
+    layer = model.model.decoder.layers[0]
+    assert isinstance(layer.forward, FusedLayerForward)
+    cachelife.disable(model)
+    rewritten = [name for name, module in model.named_modules() if "forward" in module.__dict__]
+    assert rewritten == []
+
+
+def test_turning_fused_projections_off_keeps_the_layers_fused_and_exact() -> None:
+    """The guard undoes and reapplies the fused layers around the projections they build on."""
+    model, inputs, expected = whisper(projections=True)
+    cachelife.enable(model, options=cachelife.Options(fused_layers=True))
+    calls, tokens = op_calls(model, inputs, compile_step=False)
+    assert calls == NEW * model.config.decoder_layers * CALLS_PER_LAYER[False]
+    assert torch.equal(tokens, expected)
+
+
+def test_a_model_it_does_not_know_is_left_alone_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    built = zoo.build("llama")
+    model, inputs = built.model, built.inputs(1, 5, 1)
+    expected = zoo.generate_tokens(model, inputs, **SETTINGS)
+    with caplog.at_level(logging.WARNING, logger="cachelife"):
+        cachelife.enable(model, options=cachelife.Options(fused_layers=True))
+    assert "fused_layers=True: no layer of LlamaForCausalLM can be fused" in caplog.text
+    calls, tokens = op_calls(model, inputs, compile_step=False)
+    assert calls == 0
+    assert torch.equal(tokens, expected)
+
+
+def test_a_layer_with_a_hook_is_skipped_by_name() -> None:
+    model = zoo.build("whisper").model
+    model.model.decoder.layers[1].fc1.register_forward_hook(lambda *_: None)
+    fused = fuse_layers(model)
+    assert len(fused.layers) == model.config.decoder_layers - 1
+    assert fused.skipped == {"model.decoder.layers.1": "fc1 is not a plain torch.nn.Linear"}
+    fused.restore()
+
+
+# -- on a GPU: the compiled kernel in cachelife's CUDA graphs --------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", [1, 3])
+def test_whisper_under_graphs_decodes_generate_s_tokens(steps: int) -> None:
+    built = zoo.build("whisper", device=torch.device("cuda"))
+    model, inputs = built.model, built.inputs(2, 7, 1)
+    expected = zoo.generate_tokens(model, inputs, **SETTINGS)
+    cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=True))
+    tokens = cachelife.generate(
+        model, fallback=False, steps_per_call=steps, cuda_graphs="cachelife", **inputs, **SETTINGS
+    )
+    assert torch.equal(tokens, expected)
