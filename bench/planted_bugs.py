@@ -41,6 +41,14 @@ ATTENTION_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_decode
 # no token.
 UNIT_ATTENTION_TESTS = ATTENTION_TESTS[:1]
 LINEAR_TESTS = ("tests/kernels/test_linear.py", "tests/kernels/test_small_linear_option.py")
+# The fused layer product's prologue and epilogue (in the linear kernel): its own tests, and on a GPU the fused
+# layers' tokens as well.
+LAYER_CPU_TESTS = ("tests/kernels/test_layer_linear.py",)
+LAYER_TESTS = (*LAYER_CPU_TESTS, "tests/model_rewrites/test_fused_layers.py")
+# The product's loop over the input features (the norm's statistics loop over them too).
+_PRODUCT_LOOP = (
+    "for start in range(0, inputs, BLOCK_K):\n        k = start + tl.arange(0, BLOCK_K)\n        k_in = k < inputs"
+)
 # The GPU tests of the attention kernel are all in its own file.
 ATTENTION_GPU_TESTS = ATTENTION_TESTS[:1]
 # The repeatability tests that a step choosing cuDNN's attention fails: on the CPU the check of the backends a
@@ -120,8 +128,25 @@ BUGS = (
     ),
     Bug(
         "linear-last-tile-dropped", "the linear kernel leaves out the last tile of input features", LINEAR,
-        (("for start in range(0, inputs, BLOCK_K):", "for start in range(0, inputs - BLOCK_K, BLOCK_K):"),),
+        ((_PRODUCT_LOOP, _PRODUCT_LOOP.replace("range(0, inputs, BLOCK_K)", "range(0, inputs - BLOCK_K, BLOCK_K)")),),
         LINEAR_TESTS, LINEAR_TESTS,
+    ),
+    Bug(
+        "layer-norm-uncentred", "the fused product's layer norm leaves out the mean", LINEAR,
+        (("mean = total / inputs", "mean = total / inputs * 0.0"),), LAYER_CPU_TESTS, LAYER_TESTS,
+    ),
+    Bug(
+        "layer-rms-weight-dropped", "the fused product's RMS norm leaves out its weight", LINEAR,
+        (("(a * rstd[:, None]).to(dtype).to(tl.float32) * scale", "(a * rstd[:, None]).to(dtype).to(tl.float32)"),),
+        LAYER_CPU_TESTS, LAYER_TESTS,
+    ),
+    Bug(
+        "layer-gelu-misscaled", "the fused product's GELU reads its input scaled by 0.75, not 1/sqrt(2)", LINEAR,
+        (("acc * 0.7071067811865476", "acc * 0.75"),), LAYER_CPU_TESTS, LAYER_TESTS,
+    ),
+    Bug(
+        "layer-residual-dropped", "the fused product adds no residual", LINEAR,
+        (("acc += tl.load(residual +", "acc += 0.0 * tl.load(residual +"),), LAYER_CPU_TESTS, LAYER_TESTS,
     ),
     Bug(
         "step-attention-cudnn", "compiled steps may choose cuDNN's attention again", REPEATABLE,
