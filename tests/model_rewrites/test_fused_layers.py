@@ -1,5 +1,5 @@
 """Fused decoder layers (`cachelife.Options(fused_layers=True)`, `cachelife.model_rewrites.fused_layers`): Whisper's
-decoder layers with their norms, activation and residual adds in `cachelife::layer_linear`; the tokens of the
+and Llama's decoder layers with their norms, activation and residual adds in `cachelife::layer_linear`; the tokens of the
 unrewritten model; gradients; `disable` giving the model back; models it does not know left alone.
 
 Every token test also counts the op's calls, so that equality tests the rewritten layers and not their absence.
@@ -17,15 +17,20 @@ import torch
 from transformers import PreTrainedModel
 
 import cachelife
-from cachelife.model_rewrites.fused_layers import FusedLayerForward, fuse_layers
+from cachelife.model_rewrites.fused_layers import WhisperLayerForward, fuse_layers
 from cachelife.tools import zoo
 
 OP = "cachelife::layer_linear"
 NEW = 6
 SETTINGS: dict[str, Any] = {"do_sample": False, "max_new_tokens": NEW, "min_new_tokens": NEW}
-# Per decoder layer and step: the fused query, key and value (3 unfused), the cross-attention's query, the two
-# output projections with their residuals, fc1 with its norm and activation, fc2 with its residual.
-CALLS_PER_LAYER = {False: 3 + 1 + 2 + 2, True: 1 + 1 + 2 + 2}
+# Per decoder layer and step, without and with fused projections. Whisper: the query, key and value (one product
+# fused), the cross-attention's query, the two output projections with their residuals, fc1 with its norm and
+# activation, fc2 with its residual. Llama: the query, key and value, the output projection, gate and up (one
+# product fused), down.
+CALLS_PER_LAYER = {
+    "whisper": {False: 3 + 1 + 2 + 2, True: 1 + 1 + 2 + 2},
+    "llama": {False: 3 + 1 + 2 + 1, True: 1 + 1 + 1 + 1},
+}
 
 
 def op_calls(model: PreTrainedModel, inputs: zoo.Inputs, **options: Any) -> tuple[int, torch.Tensor]:
@@ -42,27 +47,34 @@ def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     return layers
 
 
-def whisper(*, projections: bool) -> tuple[PreTrainedModel, zoo.Inputs, torch.Tensor]:
-    built = zoo.build("whisper")
+def enabled(name: str = "whisper", *, projections: bool) -> tuple[PreTrainedModel, zoo.Inputs, torch.Tensor]:
+    built = zoo.build(name)
     model, inputs = built.model, built.inputs(2, 7, 1)
+    if name == "llama":  # left-padded prompts with their mask
+        inputs = zoo.left_padded(inputs, 3, int(model.config.pad_token_id or 0))
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=projections))
     return model, inputs, expected
 
 
+def layer_count(model: PreTrainedModel) -> int:
+    return int(getattr(model.config, "decoder_layers", None) or model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("name", ["whisper", "llama"])
 @pytest.mark.parametrize("projections", [False, True])
-def test_whisper_decodes_its_eager_tokens_through_the_fused_products(projections: bool) -> None:
-    model, inputs, expected = whisper(projections=projections)
+def test_the_eager_tokens_come_through_the_fused_products(name: str, projections: bool) -> None:
+    model, inputs, expected = enabled(name, projections=projections)
     calls, tokens = op_calls(model, inputs, compile_step=False)
-    layers = model.config.decoder_layers
     # Every step (the prefill and NEW - 1 more) ran each layer's products through the op.
-    assert calls == NEW * layers * CALLS_PER_LAYER[projections]
+    assert calls == NEW * layer_count(model) * CALLS_PER_LAYER[name][projections]
     assert torch.equal(tokens, expected)
 
 
 @pytest.mark.slow
-def test_the_compiled_step_decodes_the_eager_tokens() -> None:
-    model, inputs, expected = whisper(projections=True)
+@pytest.mark.parametrize("name", ["whisper", "llama"])
+def test_the_compiled_step_decodes_the_eager_tokens(name: str) -> None:
+    model, inputs, expected = enabled(name, projections=True)
     tokens = cachelife.generate(model, fallback=False, **inputs, **SETTINGS)
     assert isinstance(tokens, torch.Tensor)
     assert torch.equal(tokens, expected)
@@ -103,9 +115,9 @@ def test_gradients_flow_as_through_the_layers_as_written() -> None:
 
 
 def test_disable_gives_every_forward_back() -> None:
-    model, _, _ = whisper(projections=True)
+    model, _, _ = enabled(projections=True)
     layer = decoder_layers(model)[0]
-    assert isinstance(layer.forward, FusedLayerForward)
+    assert isinstance(layer.forward, WhisperLayerForward)
     cachelife.disable(model)
     rewritten = [name for name, module in model.named_modules() if "forward" in module.__dict__]
     assert rewritten == []
@@ -113,20 +125,20 @@ def test_disable_gives_every_forward_back() -> None:
 
 def test_turning_fused_projections_off_keeps_the_layers_fused_and_exact() -> None:
     """The guard undoes and reapplies the fused layers around the projections they build on."""
-    model, inputs, expected = whisper(projections=True)
+    model, inputs, expected = enabled(projections=True)
     cachelife.enable(model, options=cachelife.Options(fused_layers=True))
     calls, tokens = op_calls(model, inputs, compile_step=False)
-    assert calls == NEW * model.config.decoder_layers * CALLS_PER_LAYER[False]
+    assert calls == NEW * layer_count(model) * CALLS_PER_LAYER["whisper"][False]
     assert torch.equal(tokens, expected)
 
 
 def test_a_model_it_does_not_know_is_left_alone_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    built = zoo.build("llama")
+    built = zoo.build("t5")
     model, inputs = built.model, built.inputs(1, 5, 1)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     with caplog.at_level(logging.WARNING, logger="cachelife"):
         cachelife.enable(model, options=cachelife.Options(fused_layers=True))
-    assert "fused_layers=True: no layer of LlamaForCausalLM can be fused" in caplog.text
+    assert "fused_layers=True: no layer of T5ForConditionalGeneration can be fused" in caplog.text
     calls, tokens = op_calls(model, inputs, compile_step=False)
     assert calls == 0
     assert torch.equal(tokens, expected)
@@ -145,10 +157,13 @@ def test_a_layer_with_a_hook_is_skipped_by_name() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["whisper", "llama"])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_whisper_under_graphs_decodes_generate_s_tokens(steps: int) -> None:
-    built = zoo.build("whisper", device=torch.device("cuda"))
+def test_under_graphs_the_tokens_are_generate_s(name: str, steps: int) -> None:
+    built = zoo.build(name, device=torch.device("cuda"))
     model, inputs = built.model, built.inputs(2, 7, 1)
+    if name == "llama":
+        inputs = zoo.left_padded(inputs, 3, int(model.config.pad_token_id or 0))
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=True))
     tokens = cachelife.generate(

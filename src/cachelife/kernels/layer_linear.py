@@ -162,6 +162,23 @@ def _residual_problem(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     return f"a residual {expected} of the input's dtype and device, got {got}"
 
 
+def layer_linear_problem(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: Norm = Norm.NONE,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    activation: Activation = Activation.NONE,
+    residual: torch.Tensor | None = None,
+) -> str:
+    """What keeps these inputs from `layer_linear` ("" when nothing does): what it would raise for."""
+    problem = input_problem(x, weight, bias) or _norm_problem(x, norm, norm_weight, norm_bias)
+    return problem or _residual_problem(x, weight, residual)
+
+
 def layer_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -178,8 +195,9 @@ def layer_linear(
     `x`'s leading dimensions): `norm` of `x` (with `norm_weight`, `norm_bias` and `eps`), the product with
     `weight` and `bias`, `activation`, then `residual` added. Raises `InvalidArgumentError` for inputs that do
     not fit together."""
-    problem = input_problem(x, weight, bias) or _norm_problem(x, norm, norm_weight, norm_bias)
-    if problem := problem or _residual_problem(x, weight, residual):
+    if problem := layer_linear_problem(
+        x, weight, bias, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, residual=residual
+    ):
         msg = f"layer_linear expects {problem}"
         raise InvalidArgumentError(msg)
     output: torch.Tensor = _layer_linear_op(
