@@ -1,6 +1,7 @@
 """Fused decoder layers (`cachelife.Options(fused_layers=True)`, `cachelife.model_rewrites.fused_layers`):
-Whisper's and Llama's decoder layers with their norms, activation and residual adds in `cachelife::layer_linear`; the tokens of the
-unrewritten model; gradients; `disable` giving the model back; models it does not know left alone.
+Whisper's and Llama's decoder layers with their norms, activation and residual adds in `cachelife::layer_linear`;
+the tokens of the unrewritten model; gradients; `disable` giving the model back; models it does not know left
+alone.
 
 Every token test also counts the op's calls, so that equality tests the rewritten layers and not their absence.
 Without Triton (or without `TRITON_INTERPRET=1`) the op runs the same operations in torch; with both, the
