@@ -18,7 +18,10 @@ import torch
 from transformers import PreTrainedModel
 
 import cachelife
+from cachelife.kernels.layer_linear import layer_linear
+from cachelife.model_rewrites import fused_layers
 from cachelife.model_rewrites.fused_layers import WhisperLayerForward, fuse_layers
+from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 
 OP = "cachelife::layer_linear"
@@ -154,6 +157,36 @@ def test_a_layer_with_a_hook_is_skipped_by_name() -> None:
     fused.restore()
 
 
+def engine_requests(name: str, device: str = "cpu") -> tuple[PreTrainedModel, list[dict[str, Any]]]:
+    built = zoo.build(name, device=device)
+    if name == "whisper":
+        zoo.whisper_tiny_generation(built.model.generation_config)
+    requests = [{**built.inputs(1, 2 + (5 * index) % 9, index), "max_new_tokens": 2 + (7 * index) % 11}
+                for index in range(6)]  # fmt: skip
+    return built.model, requests
+
+
+@pytest.mark.parametrize("name", ["whisper", "llama"])
+def test_the_engine_s_rows_decode_generate_s_tokens_through_the_fused_products(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, requests = engine_requests(name)
+    expected = [zoo.generate_tokens(model, request) for request in requests]
+    cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=True))
+    calls = []  # the engine's threads call the op: counted here, not by a profile of this thread
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return layer_linear(*args, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "layer_linear", counted)
+    with Engine(model, rows=3, max_length=40, compile_step=False) as engine:
+        results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
+    assert calls
+    for index, (result, tokens) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(result, tokens), index
+
+
 # -- on a GPU: the compiled kernel in cachelife's CUDA graphs --------------------------------------------------------
 
 
@@ -172,3 +205,15 @@ def test_under_graphs_the_tokens_are_generate_s(name: str, steps: int) -> None:
     )
     assert isinstance(tokens, torch.Tensor)
     assert torch.equal(tokens, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["whisper", "llama"])
+def test_the_engine_s_rows_under_graphs_decode_generate_s_tokens(name: str) -> None:
+    model, requests = engine_requests(name, "cuda")
+    expected = [zoo.generate_tokens(model, request) for request in requests]
+    cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=True))
+    with Engine(model, rows=3, max_length=40) as engine:
+        results = [future.result(timeout=300) for future in [engine.submit(**request) for request in requests]]
+    for index, (result, tokens) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(result, tokens), index

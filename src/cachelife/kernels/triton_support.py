@@ -7,6 +7,7 @@ import contextlib
 import functools
 import importlib
 import os
+import threading
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import torch
@@ -62,6 +63,12 @@ def power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# Triton's interpreter patches its language module for the length of a launch, so that launches from two threads
+# (an engine's steps beside its prefills) undo each other's patches: on the CPU they run one at a time.
+_INTERPRETER_LAUNCH = threading.Lock()
+
+
 def launching_on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Triton launches on the current CUDA device, not the tensors': this makes it theirs."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """Triton launches on the current CUDA device, not the tensors': this makes it theirs. Under the interpreter
+    (the CPU), one launch at a time."""
+    return torch.cuda.device(device) if device.type == "cuda" else _INTERPRETER_LAUNCH
