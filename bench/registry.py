@@ -39,6 +39,9 @@ _TINY_LOAD = ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--con
               "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32", "--new-tokens",
               "4,16", "--bad-share", "0.1")  # fmt: skip
 
+ALL_LEVERS = "fuse_projections,decode_attention,small_linear,fused_layers,layers_projections,fast_kernels,fast,all"
+"""bench.generate's `--levers`, every one."""
+
 _ENTRIES = (
     # -- CUDA: the GPU suite's benchmark stages (bench/gpu_suite.py), each writing to --out/<name> ---------------
     # One decoding step of cachelife.generate against transformers' auto-compile, each figure with its verdict
@@ -66,20 +69,18 @@ _ENTRIES = (
         "levers-whisper", "bench.generate",
         ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
          "16,64", "--steps-per-call", "1", "--paths", "forward,cachelife", "--cuda-graphs", "cachelife", "--levers",
-         "fuse_projections,decode_attention,small_linear,fast_kernels,fast,all", "--repeats", "3", "--tag",
-         "levers-whisper"),
-        "each of cachelife.enable's levers alone, FAST, and FAST with the few-row linear kernel on the "
-        "whisper-large-v3 shape, bf16, greedy, one call: wall ms per step beside the kernels' time, the device's "
-        "busy time and the span from first kernel to last, against the default and transformers' compiled forward "
-        "(the bf16 reference), with the verdict against transformers",
+         ALL_LEVERS, "--repeats", "3", "--tag", "levers-whisper"),
+        "each of cachelife.enable's levers alone, fused layers with fused projections, FAST, and FAST with the "
+        "few-row linear kernel on the whisper-large-v3 shape, bf16, greedy, one call: wall ms per step beside the "
+        "kernels' time, the device's busy time and the span from first kernel to last, against the default and "
+        "transformers' compiled forward (the bf16 reference), with the verdict against transformers",
         "cuda", "generate-levers-whisper-*cuda*.json",
     ),
     Benchmark(
         "levers-llama", "bench.generate",
         ("--device", "cuda", "--models", "llama-3.2-1b", "--batches", "1", "--input-length", "128", "--dtype",
          "bfloat16", "--tokens", "16,64", "--steps-per-call", "1", "--paths", "forward,cachelife", "--cuda-graphs",
-         "cachelife", "--levers", "fuse_projections,decode_attention,small_linear,fast_kernels,fast,all",
-         "--repeats", "3", "--tag", "levers-llama"),
+         "cachelife", "--levers", ALL_LEVERS, "--repeats", "3", "--tag", "levers-llama"),
         "the levers-whisper comparison on the Llama-3.2-1B shape, one prompt of 128 tokens",
         "cuda", "generate-levers-llama-*cuda*.json",
     ),
