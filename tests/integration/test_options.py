@@ -20,20 +20,20 @@ from cachelife.integration.runtime import runtime_of
 from cachelife.model_rewrites.layer_regions import UNMARKED
 from cachelife.tools import zoo
 
-LEVERS = ("fuse_projections", "decode_attention", "small_linear", "compile_regions")
+LEVERS = ("fuse_projections", "decode_attention", "small_linear", "fused_layers", "compile_regions")
 SETTINGS: dict[str, Any] = {"max_new_tokens": 4, "min_new_tokens": 4}
 
 
 def test_the_default_is_exact_everything_off() -> None:
     assert cachelife.Options() == cachelife.EXACT
-    assert [getattr(cachelife.EXACT, lever) for lever in LEVERS] == [False] * 4
+    assert [getattr(cachelife.EXACT, lever) for lever in LEVERS] == [False] * len(LEVERS)
     assert dict(cachelife.EXACT.compile_options) == {}
 
 
 def test_fast_is_fused_projections_decode_attention_and_fast_kernels() -> None:
     expected = cachelife.Options(fuse_projections=True, decode_attention=True, compile_options=cachelife.FAST_KERNELS)
     assert expected == cachelife.FAST
-    assert (cachelife.FAST.small_linear, cachelife.FAST.compile_regions) == (False, False)
+    assert (cachelife.FAST.small_linear, cachelife.FAST.fused_layers, cachelife.FAST.compile_regions) == (False,) * 3
     assert dict(cachelife.FAST.compile_options) == dict(cachelife.FAST_KERNELS)
 
 
@@ -172,7 +172,9 @@ def test_switching_between_options_applies_and_restores_each_rewrite_exactly() -
     model, inputs = built.model, built.inputs(1, 5, 1)
     before = model_state(model)
     expected = zoo.generate_tokens(model, inputs, do_sample=False, **SETTINGS)
-    every = cachelife.Options(fuse_projections=True, decode_attention=True, small_linear=True, compile_regions=True)
+    every = cachelife.Options(
+        fuse_projections=True, decode_attention=True, small_linear=True, fused_layers=True, compile_regions=True
+    )
     cachelife.enable(model, options=every)
     assert model_state(model)["attributes"] != before["attributes"]  # fused and marked
     cachelife.enable(model, options=cachelife.Options(decode_attention=True))
