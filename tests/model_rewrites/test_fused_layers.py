@@ -98,6 +98,18 @@ def test_the_forward_equals_the_layers_as_written_for_many_rows_and_a_prompt() -
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
 
 
+def test_a_prompt_of_many_rows_takes_the_layer_s_own_operations() -> None:
+    """More than 16 rows (a prompt of 3 x 7 tokens) run the model's operations, which a compiled prefill fuses as
+    it fuses the unrewritten model's; the decoding steps' 3 rows take the op."""
+    built = zoo.build("llama")
+    model, inputs = built.model, built.inputs(3, 7, 2)
+    expected = zoo.generate_tokens(model, inputs, **SETTINGS)
+    cachelife.enable(model, options=cachelife.Options(fused_layers=True))
+    calls, tokens = op_calls(model, inputs, compile_step=False)
+    assert calls == (NEW - 1) * layer_count(model) * CALLS_PER_LAYER["llama"][False]
+    assert torch.equal(tokens, expected)
+
+
 def test_gradients_flow_as_through_the_layers_as_written() -> None:
     built = zoo.build("whisper")
     model, inputs = built.model, built.inputs(2, 5, 4)

@@ -27,6 +27,7 @@ product back; the parameters are never touched.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -35,6 +36,7 @@ from attrs import define, field, frozen
 from torch import nn
 
 from cachelife.kernels.layer_linear import Activation, Norm, layer_linear, layer_linear_problem, layer_linear_reference
+from cachelife.kernels.linear import MAX_ROWS
 from cachelife.model_rewrites.fused_projections import MemberForward, ProjectionGroup
 
 logger = logging.getLogger(__name__)
@@ -73,13 +75,15 @@ def product(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The product of `x` (normalised by `norm` first) with `weight` and `bias`, `activation`, plus `residual`:
-    the fused op, or the same operations in torch where gradients are wanted or the op does not take the inputs
-    (a norm kept in another dtype than the states, say)."""
+    the fused op for at most `MAX_ROWS` rows; the same operations in torch for more, where gradients are wanted,
+    or where the op does not take the inputs (a norm kept in another dtype than the states, say)."""
     arguments: dict[str, Any] = {"activation": activation, "residual": residual}
     if norm is not None:
         arguments |= norm.arguments()
     tensors = [value for value in arguments.values() if isinstance(value, torch.Tensor)]
-    if _reference_wanted(x, weight, bias, *tensors) or layer_linear_problem(x, weight, bias, **arguments):
+    # Many rows (a prompt) take the layer's own operations, which a compiled region fuses as the model's.
+    many = math.prod(x.shape[:-1]) > MAX_ROWS
+    if many or _reference_wanted(x, weight, bias, *tensors) or layer_linear_problem(x, weight, bias, **arguments):
         return layer_linear_reference(x, weight, bias, **arguments)
     return layer_linear(x, weight, bias, **arguments)
 
