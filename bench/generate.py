@@ -33,7 +33,9 @@ gave the same tokens, for every greedy `cachelife` path a verdict against transf
 call with its logits, teacher-forced against a float32 copy), and CUDA-graph skips,
 unexpected re-records and new dynamo graphs after the first calls, and graphs cachelife captured (all of
 them, and after the first calls). `--tiny` swaps in the zoo's tiny models
-with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag>]-<device>-<date>-tf<version>.json`.
+with the same generation configs (a CPU smoke run). Writes `<out>/generate[-<tag>]-<device>-<date>-tf<version>.json`,
+rewritten after each path: a run cut short keeps the paths of its model and batch measured so far under
+`in_progress` (without the verdicts, which come after the last path).
 """
 
 from __future__ import annotations
@@ -227,7 +229,11 @@ def _captures(model_kind: str) -> int:
     return 0 if model is None else runtime_of(model).captures
 
 
-def measure(name: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def measure(
+    name: str, batch: int, args: argparse.Namespace, device: torch.device, progress: Callable[[object], None]
+) -> dict[str, Any]:
+    """Every path of one model and batch; `progress` gets the paths measured so far after each (a run cut short
+    keeps them in its file)."""
     torch._dynamo.reset()
     dtype = getattr(torch, args.dtype)
     short, long = (int(value) for value in args.tokens.split(","))
@@ -258,6 +264,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, device: torch.devic
             "cachelife_captures_after_first_calls": _captures(model_kind) - captured,
         }
         print(json.dumps({"model": name, "batch": batch, "path": path, **results[path]}), flush=True)
+        progress({"model": name, "batch": batch, "paths": results})
     reference_path = "eager" if dtype == torch.float32 else "forward"
     reference = outputs.get(reference_path)
     for path, tokens in outputs.items():
@@ -318,7 +325,9 @@ def main() -> int:
     results = results_file(args.out, stem, device, "generate", {"settings": vars(args), "results": []})
     for name in args.models.split(","):
         for batch in (int(value) for value in args.batches.split(",")):
-            results.add(measure(name, batch, args, device), show=False)  # measure prints each path's line
+            # measure prints each path's line, and keeps those measured so far under "in_progress" until it ends
+            results.add(measure(name, batch, args, device, functools.partial(results.put, "in_progress")), show=False)
+            results.record.pop("in_progress", None)
     results.finish()
     return 0
 
