@@ -10,6 +10,7 @@ kernel in Triton's interpreter.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from typing import Any
@@ -164,6 +165,20 @@ def test_disable_gives_every_forward_back() -> None:
     cachelife.disable(model)
     rewritten = [name for name, module in model.named_modules() if "forward" in module.__dict__]
     assert rewritten == []
+
+
+def test_a_deep_copy_runs_and_restores_its_own_layers() -> None:
+    model, inputs, expected = enabled(projections=True)
+    twin = copy.deepcopy(model)
+    twin_forward = decoder_layers(twin)[0].forward
+    assert isinstance(twin_forward, WhisperLayerForward)
+    assert twin_forward.parts.layer is decoder_layers(twin)[0]  # the copy's modules, not the original's
+    calls, tokens = op_calls(twin, inputs, compile_step=False)
+    assert calls > 0
+    assert torch.equal(tokens, expected)
+    cachelife.disable(twin)
+    assert [name for name, module in twin.named_modules() if "forward" in module.__dict__] == []
+    assert isinstance(decoder_layers(model)[0].forward, WhisperLayerForward)
 
 
 def test_turning_fused_projections_off_keeps_the_layers_fused_and_exact() -> None:
