@@ -180,6 +180,14 @@ _ENTRIES = (
         "cuda", "decode-attention-cuda-*.json",
     ),
     Benchmark(
+        "layer-linear", "bench.layer_linear", ("--device", "cuda", "--dtype", "bfloat16", "--rows", "1,4,8,16"),
+        "cachelife's fused layer product (norm, product, activation, residual in one kernel) against the same "
+        "operations compiled by inductor, at whisper-large-v3's and the Llama-3.2-1B shape's decoder products, "
+        "1 to 16 rows, bf16, device time per call in CUDA graphs, each within its distance from float64; at 16 "
+        "rows also the plan without tensor cores",
+        "cuda", "layer-linear-cuda-*.json",
+    ),
+    Benchmark(
         "planted-bugs-cuda", "bench.planted_bugs",
         ("--device", "cuda", "--workers", "4", "--pytest-workers", "2", "--select", "not compiled_step_captures"),
         "the kernels' and the repeatability's GPU tests against copies of the source with one planted bug each "

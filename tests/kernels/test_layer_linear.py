@@ -72,7 +72,10 @@ def check(case: str, given: dict[str, torch.Tensor], *, bias: bool = True) -> No
     torch.testing.assert_close(output.double(), expected.double(), atol=tolerance, rtol=tolerance)
 
 
-SHAPES = [(1, 96, 40, torch.float32), (3, 100, 37, torch.float32), (2, 64, 130, torch.bfloat16)]
+SHAPES = [
+    (1, 96, 40, torch.float32), (3, 100, 37, torch.float32), (2, 64, 130, torch.bfloat16),
+    (12, 200, 40, torch.float32), (16, 72, 24, torch.bfloat16),  # tl.dot's tiles
+]  # fmt: skip
 
 
 @needs_triton

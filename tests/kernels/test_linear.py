@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cachelife.errors import InvalidArgumentError
-from cachelife.kernels.linear import MAX_ROWS, plan_blocks, small_linear, small_linear_kernel
+from cachelife.kernels.linear import DOT_ROWS, MAX_ROWS, plan_blocks, small_linear, small_linear_kernel
 from cachelife.kernels.triton_support import triton_runs_on
 
 INTERPRETED = triton_runs_on(torch.device("cpu"))
@@ -114,6 +114,10 @@ def test_the_block_plan(rows: int, features: int, in_features: int, programs: in
     block_m, block_n, block_k = plan_blocks(rows=rows, features=features, inputs=in_features, programs=programs)
     for block in (block_m, block_n, block_k):
         assert block & (block - 1) == 0  # Triton's ranges are powers of two
+    if rows >= DOT_ROWS:  # tensor cores: tiles of 16 rows, 16 features and 16 to 128 inputs
+        assert (block_m, block_n) == (16, 16)
+        assert 16 <= block_k <= 128
+        return
     assert rows <= block_m < 2 * rows
     assert 1 <= block_n <= 64
     # The widest block that still gives the programs asked for: one step wider would give too few.
@@ -147,13 +151,16 @@ def compile_kernel() -> None:
     compiler = importlib.import_module("triton.compiler")
     target = importlib.import_module("triton.backends.compiler").GPUTarget("cuda", 90, 32)
     kernel = importlib.import_module("triton.runtime.jit").JITFunction(small_linear_kernel)
-    plain = {"NORM": 0, "NORM_BIAS": False, "ACTIVATION": 0, "HAS_RESIDUAL": False}
+    plain = {"NORM": 0, "NORM_BIAS": False, "ACTIVATION": 0, "HAS_RESIDUAL": False, "DOT": False}
     layer = {"NORM": 1, "NORM_BIAS": True, "ACTIVATION": 1, "HAS_RESIDUAL": True}  # every prologue and epilogue
+    dot = {"DOT": True, "LANES": 1}  # tl.dot's tiles
     for dtype, has_bias, blocks, more in (
         ("bf16", True, (1, 4, 1024), plain), ("fp32", False, (8, 64, 16), plain),
-        ("bf16", True, (2, 16, 256), layer), ("fp32", False, (1, 8, 512), plain | {"NORM": 2}),
+        ("bf16", True, (2, 16, 256), plain | layer), ("fp32", False, (1, 8, 512), plain | {"NORM": 2}),
+        ("bf16", True, (16, 16, 128), plain | layer | dot), ("fp32", False, (16, 16, 64), plain | dot),
     ):  # fmt: skip
-        constants = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks, strict=True)) | {"HAS_BIAS": has_bias} | more
+        constants = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks, strict=True)) | {"HAS_BIAS": has_bias}
+        constants |= {"LANES": blocks[2]} | more
         pointers = dict.fromkeys(("x", "weight", "bias", "out", "norm_weight", "norm_bias", "residual"), f"*{dtype}")
         pointers["eps"] = "fp32"
         signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}

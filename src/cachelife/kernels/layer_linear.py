@@ -85,7 +85,7 @@ def _triton_layer_linear(  # noqa: PLR0917 (the op's arguments, as the op takes 
     flat = x.reshape(rows, inputs)
     out = torch.empty((rows, features), dtype=x.dtype, device=x.device)
     added = None if residual is None else residual.reshape(rows, features)
-    block_m, block_n, block_k, programs = launch_plan(rows=rows, features=features, inputs=inputs, device=x.device)
+    blocks, programs = launch_plan(rows=rows, features=features, inputs=inputs, dtype=x.dtype, device=x.device)
     with launching_on(x.device):
         small_linear_launcher()[(programs,)](
             flat, weight, weight if bias is None else bias, out,
@@ -93,7 +93,7 @@ def _triton_layer_linear(  # noqa: PLR0917 (the op's arguments, as the op takes 
             out if added is None else added,
             rows, features, inputs, eps,
             *flat.stride(), *weight.stride(), *out.stride(), *(out if added is None else added).stride(),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias is not None, **blocks,
             NORM=norm, NORM_BIAS=norm_bias is not None, ACTIVATION=activation, HAS_RESIDUAL=added is not None,
             **LAUNCH,
         )  # fmt: skip

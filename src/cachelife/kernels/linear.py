@@ -54,15 +54,18 @@ _TILE_ELEMENTS: Final = 4096
 _PROGRAMS_PER_SM: Final = 2
 
 
-def small_linear_kernel(  # noqa: PLR0912, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
+def small_linear_kernel(  # noqa: PLR0912, PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
     x: Pointer, weight: Pointer, bias: Pointer, out: Pointer,
     norm_weight: Pointer, norm_bias: Pointer, residual: Pointer,
     rows: Scalar, features: Scalar, inputs: Scalar, eps: Scalar,
     x_sm: Scalar, x_sk: Scalar, w_sn: Scalar, w_sk: Scalar, o_sm: Scalar, o_sn: Scalar, r_sm: Scalar, r_sn: Scalar,
     HAS_BIAS: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr,
     NORM: constexpr = 0, NORM_BIAS: constexpr = False, ACTIVATION: constexpr = 0, HAS_RESIDUAL: constexpr = False,
+    DOT: constexpr = False, LANES: constexpr = 1,
 ) -> None:  # fmt: skip
-    """In Triton's language: output features [program * BLOCK_N, + BLOCK_N) of every row.
+    """In Triton's language: output features [program * BLOCK_N, + BLOCK_N) of every row. Each tile's products
+    are summed per lane (LANES = BLOCK_K) and the lanes once at the end, or, with DOT (16 rows and more), by
+    `tl.dot` on the tensor cores (float32 inputs in IEEE precision, as the lanes sum them; LANES = 1).
 
     A layer's few-row product (`cachelife.kernels.layer_linear`) adds a prologue and an epilogue, each rounding
     where the separate operations round: NORM normalises the input rows first (1: layer norm with `norm_weight`
@@ -95,8 +98,8 @@ def small_linear_kernel(  # noqa: PLR0912, PLR0917 (a Triton kernel: every point
             centred = tl.where(live, row - mean[:, None], 0.0)
             spread += tl.sum(centred * centred, axis=1)
         rstd = 1.0 / tl.sqrt(spread / inputs + eps)
-    # Products summed per lane across the tiles, and across the lanes once at the end.
-    partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    products = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    partial = tl.zeros([BLOCK_M, BLOCK_N, LANES], tl.float32)
     for start in range(0, inputs, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         k_in = k < inputs
@@ -112,8 +115,11 @@ def small_linear_kernel(  # noqa: PLR0912, PLR0917 (a Triton kernel: every point
             else:
                 a = (a * rstd[:, None]).to(dtype).to(tl.float32) * scale
             a = a.to(dtype).to(tl.float32)
-        partial += a[:, None, :] * w.to(tl.float32)[None, :, :]
-    acc = tl.sum(partial, axis=2)
+        if DOT:
+            products = tl.dot(a.to(w.dtype), tl.trans(w), products, input_precision="ieee")
+        else:
+            partial += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = products + tl.sum(partial, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     if ACTIVATION != 0 or HAS_RESIDUAL:
@@ -132,10 +138,20 @@ def small_linear_launcher() -> Any:
     return triton.jit(small_linear_kernel)
 
 
+DOT_ROWS: Final = 9
+"""Rows from which a product runs on the tensor cores (`tl.dot`, whose tiles take 16 rows), in tiles of
+`_DOT_FEATURES` output and `_DOT_INPUTS` input features."""
+_DOT_FEATURES: Final = 16
+_DOT_INPUTS: Final = 128
+
+
 def plan_blocks(*, rows: int, features: int, inputs: int, programs: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) for these static shapes: the widest block of output features (at most 64)
-    that still gives `programs` programs, and as many input features per tile as fit `_TILE_ELEMENTS`."""
+    that still gives `programs` programs, and as many input features per tile as fit `_TILE_ELEMENTS`; from
+    `DOT_ROWS` rows on, `tl.dot`'s tiles."""
     block_m = power_of_two_at_least(rows)
+    if rows >= DOT_ROWS:
+        return max(block_m, 16), _DOT_FEATURES, min(_DOT_INPUTS, max(power_of_two_at_least(inputs), 16))
     block_n = 64
     while block_n > 1 and math.ceil(features / block_n) < programs:
         block_n //= 2
@@ -143,11 +159,20 @@ def plan_blocks(*, rows: int, features: int, inputs: int, programs: int) -> tupl
     return block_m, block_n, min(block_k, power_of_two_at_least(inputs))
 
 
-def launch_plan(*, rows: int, features: int, inputs: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, programs) of the kernel's launch for these static shapes on `device`."""
+def launch_plan(
+    *, rows: int, features: int, inputs: int, dtype: torch.dtype, device: torch.device
+) -> tuple[dict[str, Any], int]:
+    """The kernel's block constants (BLOCK_M, BLOCK_N, BLOCK_K, DOT, LANES) and its programs for these static
+    shapes on `device`. Triton's interpreter (the CPU) computes a 16-bit `tl.dot` wrongly: there only float32
+    products take it."""
+    dot = rows >= DOT_ROWS and (device.type == "cuda" or dtype == torch.float32)
     wanted = _PROGRAMS_PER_SM * multiprocessors(device)
-    block_m, block_n, block_k = plan_blocks(rows=rows, features=features, inputs=inputs, programs=wanted)
-    return block_m, block_n, block_k, math.ceil(features / block_n)
+    block_m, block_n, block_k = plan_blocks(
+        rows=rows if dot else min(rows, DOT_ROWS - 1), features=features, inputs=inputs, programs=wanted
+    )
+    block_m = block_m if dot else power_of_two_at_least(rows)
+    blocks = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": dot, "LANES": 1 if dot else block_k}
+    return blocks, math.ceil(features / block_n)
 
 
 def input_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -173,12 +198,11 @@ def _triton_small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out.reshape(*x.shape[:-1], features)
     if inputs == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand_as(out))).reshape(*x.shape[:-1], features)
-    block_m, block_n, block_k, programs = launch_plan(rows=rows, features=features, inputs=inputs, device=x.device)
+    blocks, programs = launch_plan(rows=rows, features=features, inputs=inputs, dtype=x.dtype, device=x.device)
     with launching_on(x.device):
         small_linear_launcher()[(programs,)](
             flat, weight, weight if bias is None else bias, out, weight, weight, weight, rows, features, inputs, 0.0,
-            *flat.stride(), *weight.stride(), *out.stride(), 0, 0,
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **LAUNCH,
+            *flat.stride(), *weight.stride(), *out.stride(), 0, 0, HAS_BIAS=bias is not None, **blocks, **LAUNCH,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], features)
 
