@@ -28,7 +28,7 @@ from attrs import frozen
 from bench.decode_attention import device_ms_per_call, largest_error
 from bench.results_file import bench_parser, results_file
 from cachelife.kernels import linear
-from cachelife.kernels.layer_linear import Activation, Norm, layer_linear, layer_linear_reference
+from cachelife.kernels.layer_linear import Activation, Fusion, Norm, layer_linear, layer_linear_reference
 from cachelife.tools.recipe import pick_device
 
 
@@ -77,21 +77,21 @@ def float64(given: dict[str, Any]) -> torch.Tensor:
     wide: dict[str, Any] = {
         key: value.double() if isinstance(value, torch.Tensor) else value for key, value in given.items()
     }
-    return layer_linear_reference(wide.pop("x"), wide.pop("weight"), wide.pop("bias"), **wide)
+    return layer_linear_reference(wide.pop("x"), wide.pop("weight"), wide.pop("bias"), Fusion(**wide))
 
 
 def measure(name: str, case: Case, rows: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     given = arguments(case, rows, device, dtype)
     x, weight, bias = given["x"], given["weight"], given["bias"]
-    options: dict[str, Any] = {key: value for key, value in given.items() if key not in {"x", "weight", "bias"}}
+    fusion = Fusion(**{key: value for key, value in given.items() if key not in {"x", "weight", "bias"}})
     compiled = torch.compile(layer_linear_reference, fullgraph=True, dynamic=False)
 
     def by_inductor() -> torch.Tensor:
-        output: torch.Tensor = compiled(x, weight, bias, **options)
+        output: torch.Tensor = compiled(x, weight, bias, fusion)
         return output
 
     def fused() -> torch.Tensor:
-        return layer_linear(x, weight, bias, **options)
+        return layer_linear(x, weight, bias, fusion)
 
     paths = {"inductor": by_inductor, "fused": fused}
     expected = float64(given)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cachelife.errors import InvalidArgumentError
-from cachelife.kernels.layer_linear import Activation, Norm, layer_linear, layer_linear_reference
+from cachelife.kernels.layer_linear import Activation, Fusion, Norm, layer_linear, layer_linear_reference
 from cachelife.kernels.linear import MAX_ROWS
 from cachelife.kernels.triton_support import triton_runs_on
 
@@ -43,8 +43,8 @@ def parts(rows: int, inputs: int, features: int, dtype: torch.dtype, device: str
     }
 
 
-def arguments(case: str, given: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The keyword arguments of one prologue/epilogue case."""
+def arguments(case: str, given: dict[str, torch.Tensor]) -> Fusion:
+    """The fusion of one prologue/epilogue case."""
     layer: dict[str, Any] = {"norm": Norm.LAYER, "norm_weight": given["norm_weight"], "norm_bias": given["norm_bias"]}
     cases: dict[str, dict[str, Any]] = {
         "layer_norm": layer,
@@ -55,17 +55,17 @@ def arguments(case: str, given: dict[str, torch.Tensor]) -> dict[str, Any]:
         "norm_and_gelu": layer | {"activation": Activation.GELU},
         "everything": layer | {"activation": Activation.GELU, "residual": given["residual"]},
     }
-    return cases[case]
+    return Fusion(**cases[case])
 
 
 CASES = ["layer_norm", "layer_norm_without_bias", "rms_norm", "gelu", "residual", "norm_and_gelu", "everything"]
 
 
 def check(case: str, given: dict[str, torch.Tensor], *, bias: bool = True) -> None:
-    kwargs = arguments(case, given)
+    fusion = arguments(case, given)
     b = given["bias"] if bias else None
-    output = layer_linear(given["x"], given["weight"], b, **kwargs)
-    expected = layer_linear_reference(given["x"], given["weight"], b, **kwargs)
+    output = layer_linear(given["x"], given["weight"], b, fusion)
+    expected = layer_linear_reference(given["x"], given["weight"], b, fusion)
     assert output.dtype == expected.dtype
     assert output.shape == expected.shape
     tolerance = TOLERANCE[given["x"].dtype]
@@ -98,15 +98,15 @@ def test_each_fused_part_changes_the_output() -> None:
     given = parts(2, 64, 32, torch.float32)
     plain = layer_linear(given["x"], given["weight"], given["bias"])
     for case in CASES:
-        fused = layer_linear(given["x"], given["weight"], given["bias"], **arguments(case, given))
+        fused = layer_linear(given["x"], given["weight"], given["bias"], arguments(case, given))
         assert (fused - plain).abs().max() > 1e-2, case
 
 
 def test_many_rows_run_the_operations_in_torch() -> None:
     given = parts(MAX_ROWS + 1, 32, 16, torch.float32)
-    kwargs = arguments("everything", given)
-    output = layer_linear(given["x"], given["weight"], given["bias"], **kwargs)
-    assert torch.equal(output, layer_linear_reference(given["x"], given["weight"], given["bias"], **kwargs))
+    fusion = arguments("everything", given)
+    output = layer_linear(given["x"], given["weight"], given["bias"], fusion)
+    assert torch.equal(output, layer_linear_reference(given["x"], given["weight"], given["bias"], fusion))
 
 
 @needs_triton
@@ -114,8 +114,8 @@ def test_the_op_traces_with_fullgraph() -> None:
     given = parts(2, 64, 48, torch.float32)
 
     def step(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        normed = layer_linear(x, given["weight"], given["bias"], **arguments("norm_and_gelu", given))
-        return layer_linear(normed, given["weight"][:, :48], None, residual=residual)
+        normed = layer_linear(x, given["weight"], given["bias"], arguments("norm_and_gelu", given))
+        return layer_linear(normed, given["weight"][:, :48], None, Fusion(residual=residual))
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     residual = given["residual"]
@@ -136,7 +136,7 @@ def test_the_op_traces_with_fullgraph() -> None:
 def test_inputs_that_do_not_fit_are_refused_by_name(change: dict[str, Any], named: str) -> None:
     given = parts(2, 64, 48, torch.float32)
     with pytest.raises(InvalidArgumentError, match=r"^layer_linear expects ") as error:
-        layer_linear(given["x"], given["weight"], given["bias"], **change)
+        layer_linear(given["x"], given["weight"], given["bias"], Fusion(**change))
     assert named in str(error.value)
 
 
@@ -161,14 +161,14 @@ def test_kernel_on_cuda_equals_the_operations_one_by_one(
 @pytest.mark.gpu
 def test_kernel_replays_in_a_cuda_graph() -> None:
     given = parts(2, 256, 512, torch.bfloat16, "cuda")
-    kwargs = arguments("everything", given)
-    out = layer_linear(given["x"], given["weight"], given["bias"], **kwargs)  # compiled before the capture
+    fusion = arguments("everything", given)
+    out = layer_linear(given["x"], given["weight"], given["bias"], fusion)  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer_linear(given["x"], given["weight"], given["bias"], **kwargs)
+        out = layer_linear(given["x"], given["weight"], given["bias"], fusion)
     given["x"].copy_(torch.randn_like(given["x"]))
     given["residual"].copy_(torch.randn_like(given["residual"]))
     graph.replay()
     torch.cuda.synchronize()
-    expected = layer_linear_reference(given["x"], given["weight"], given["bias"], **kwargs)
+    expected = layer_linear_reference(given["x"], given["weight"], given["bias"], fusion)
     torch.testing.assert_close(out.double(), expected.double(), atol=0.07, rtol=0.07)

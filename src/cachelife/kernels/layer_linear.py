@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Final, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,28 +47,35 @@ class Activation(enum.IntEnum):
     GELU = 1
 
 
+class Fusion(NamedTuple):
+    """What `layer_linear` folds around a product: the norm before it (its weight, bias and eps), the activation
+    after it, and the residual added last. `PLAIN`: nothing."""
+
+    norm: Norm = Norm.NONE
+    norm_weight: torch.Tensor | None = None
+    norm_bias: torch.Tensor | None = None
+    eps: float = 1e-5
+    activation: Activation = Activation.NONE
+    residual: torch.Tensor | None = None
+
+
+PLAIN: Final = Fusion()
+
+
 def layer_linear_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    norm: Norm = Norm.NONE,
-    norm_weight: torch.Tensor | None = None,
-    norm_bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    activation: Activation = Activation.NONE,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fusion: Fusion = PLAIN
 ) -> torch.Tensor:
     """The operations `layer_linear` fuses, one after another, as the layers write them."""
-    if norm is Norm.LAYER:
-        x = F.layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
-    elif norm is Norm.RMS and norm_weight is not None:
+    if fusion.norm is Norm.LAYER:
+        x = F.layer_norm(x, (x.shape[-1],), fusion.norm_weight, fusion.norm_bias, fusion.eps)
+    elif fusion.norm is Norm.RMS and fusion.norm_weight is not None:
         wide = x.to(torch.float32)
-        x = norm_weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        normed = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + fusion.eps)).to(x.dtype)
+        x = fusion.norm_weight * normed
     y = F.linear(x, weight, bias)
-    if activation is Activation.GELU:
+    if fusion.activation is Activation.GELU:
         y = F.gelu(y)
-    return y if residual is None else residual + y
+    return y if fusion.residual is None else fusion.residual + y
 
 
 def _triton_layer_linear(  # noqa: PLR0917 (the op's arguments, as the op takes them)
@@ -115,10 +123,8 @@ def _layer_linear_op(  # noqa: PLR0917 (a custom op's schema: positional tensors
     rows = math.prod(x.shape[:-1])
     if 0 < rows <= MAX_ROWS and x.shape[-1] > 0 and triton_runs_on(x.device):
         return _triton_layer_linear(x, weight, bias, norm_weight, norm_bias, residual, norm, eps, activation)
-    return layer_linear_reference(
-        x, weight, bias, norm=Norm(norm), norm_weight=norm_weight, norm_bias=norm_bias, eps=eps,
-        activation=Activation(activation), residual=residual,
-    )  # fmt: skip
+    fusion = Fusion(Norm(norm), norm_weight, norm_bias, eps, Activation(activation), residual)
+    return layer_linear_reference(x, weight, bias, fusion)
 
 
 @_layer_linear_op.register_fake
@@ -163,43 +169,23 @@ def _residual_problem(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
 
 
 def layer_linear_problem(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm: Norm = Norm.NONE,
-    norm_weight: torch.Tensor | None = None,
-    norm_bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    activation: Activation = Activation.NONE,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fusion: Fusion = PLAIN
 ) -> str:
     """What keeps these inputs from `layer_linear` ("" when nothing does): what it would raise for."""
-    problem = input_problem(x, weight, bias) or _norm_problem(x, norm, norm_weight, norm_bias)
-    return problem or _residual_problem(x, weight, residual)
+    problem = input_problem(x, weight, bias) or _norm_problem(x, fusion.norm, fusion.norm_weight, fusion.norm_bias)
+    return problem or _residual_problem(x, weight, fusion.residual)
 
 
 def layer_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm: Norm = Norm.NONE,
-    norm_weight: torch.Tensor | None = None,
-    norm_bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    activation: Activation = Activation.NONE,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fusion: Fusion = PLAIN
 ) -> torch.Tensor:
-    """`layer_linear_reference(...)`'s operations in one kernel for at most `MAX_ROWS` rows (the product of
-    `x`'s leading dimensions): `norm` of `x` (with `norm_weight`, `norm_bias` and `eps`), the product with
-    `weight` and `bias`, `activation`, then `residual` added. Raises `InvalidArgumentError` for inputs that do
-    not fit together."""
-    if problem := layer_linear_problem(
-        x, weight, bias, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, residual=residual
-    ):
+    """`layer_linear_reference`'s operations in one kernel for at most `MAX_ROWS` rows (the product of `x`'s
+    leading dimensions): `fusion`'s norm of `x`, the product with `weight` and `bias`, its activation, then its
+    residual added. Raises `InvalidArgumentError` for inputs that do not fit together."""
+    if problem := layer_linear_problem(x, weight, bias, fusion):
         msg = f"layer_linear expects {problem}"
         raise InvalidArgumentError(msg)
+    norm, norm_weight, norm_bias, eps, activation, residual = fusion
     output: torch.Tensor = _layer_linear_op(
         x, weight, bias, norm_weight, norm_bias, residual, int(norm), float(eps), int(activation)
     )

@@ -35,7 +35,14 @@ import torch
 from attrs import define, field, frozen
 from torch import nn
 
-from cachelife.kernels.layer_linear import Activation, Norm, layer_linear, layer_linear_problem, layer_linear_reference
+from cachelife.kernels.layer_linear import (
+    Activation,
+    Fusion,
+    Norm,
+    layer_linear,
+    layer_linear_problem,
+    layer_linear_reference,
+)
 from cachelife.kernels.linear import MAX_ROWS
 from cachelife.model_rewrites.fused_projections import MemberForward, ProjectionGroup
 
@@ -52,12 +59,14 @@ class NormModule:
     module: nn.Module
     kind: Norm
 
-    def arguments(self) -> dict[str, Any]:
-        """`layer_linear`'s keyword arguments for this norm."""
+    def fusion(self, activation: Activation, residual: torch.Tensor | None) -> Fusion:
+        """`layer_linear`'s fusion of this norm (its parameters as they are now), `activation` and `residual`."""
         module = self.module
-        if self.kind is Norm.LAYER:
-            return {"norm": Norm.LAYER, "norm_weight": module.weight, "norm_bias": module.bias, "eps": module.eps}
-        return {"norm": Norm.RMS, "norm_weight": module.weight, "eps": module.variance_epsilon}
+        if isinstance(module, nn.LayerNorm):
+            return Fusion(Norm.LAYER, module.weight, module.bias, module.eps, activation, residual)
+        weight: Any = module.weight  # one of `RMS_NORMS`, which `fuse_layers` checked for these
+        eps: Any = module.variance_epsilon
+        return Fusion(Norm.RMS, weight, None, eps, activation, residual)
 
 
 def _reference_wanted(*tensors: torch.Tensor | None) -> bool:
@@ -77,15 +86,13 @@ def product(
     """The product of `x` (normalised by `norm` first) with `weight` and `bias`, `activation`, plus `residual`:
     the fused op for at most `MAX_ROWS` rows; the same operations in torch for more, where gradients are wanted,
     or where the op does not take the inputs (a norm kept in another dtype than the states, say)."""
-    arguments: dict[str, Any] = {"activation": activation, "residual": residual}
-    if norm is not None:
-        arguments |= norm.arguments()
-    tensors = [value for value in arguments.values() if isinstance(value, torch.Tensor)]
+    fusion = Fusion(activation=activation, residual=residual) if norm is None else norm.fusion(activation, residual)
+    tensors = (x, weight, bias, fusion.norm_weight, fusion.norm_bias, residual)
     # Many rows (a prompt) take the layer's own operations, which a compiled region fuses as the model's.
     many = math.prod(x.shape[:-1]) > MAX_ROWS
-    if many or _reference_wanted(x, weight, bias, *tensors) or layer_linear_problem(x, weight, bias, **arguments):
-        return layer_linear_reference(x, weight, bias, **arguments)
-    return layer_linear(x, weight, bias, **arguments)
+    if many or _reference_wanted(*tensors) or layer_linear_problem(x, weight, bias, fusion):
+        return layer_linear_reference(x, weight, bias, fusion)
+    return layer_linear(x, weight, bias, fusion)
 
 
 def linear_product(
