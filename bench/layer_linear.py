@@ -13,7 +13,9 @@ replayed (device time per call, the median of 5; `bench.decode_attention`'s timi
   (`fullgraph`, inductor's default options): what a compiled step runs without the lever;
 - `fused`: the op as it plans itself;
 - `fused_lanes` (from `DOT_ROWS` rows on): the op with the tensor-core plan turned off, the lanes' sums, so that
-  the plan's choice is measured.
+  the plan's choice is measured;
+- `fused_dot_<N>x<K>` (from `DOT_ROWS` rows on, for each `--dot-plans` value): the tensor-core plan with tiles of
+  N output and K input features.
 Each path's largest difference from a float64 computation of the same operations is kept. Writes
 `<out>/layer-linear-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
@@ -29,6 +31,7 @@ from bench.decode_attention import device_ms_per_call, largest_error
 from bench.results_file import bench_parser, results_file
 from cachelife.kernels import linear
 from cachelife.kernels.layer_linear import Activation, Fusion, Norm, layer_linear, layer_linear_reference
+from cachelife.kernels.triton_support import power_of_two_at_least
 from cachelife.tools.recipe import pick_device
 
 
@@ -80,10 +83,13 @@ def float64(given: dict[str, Any]) -> torch.Tensor:
     return layer_linear_reference(wide.pop("x"), wide.pop("weight"), wide.pop("bias"), Fusion(**wide))
 
 
-def measure(name: str, case: Case, rows: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def measure(
+    name: str, case: Case, rows: int, device: torch.device, dtype: torch.dtype, *, dot_plans: tuple[str, ...] = ()
+) -> dict[str, Any]:
     given = arguments(case, rows, device, dtype)
     x, weight, bias = given["x"], given["weight"], given["bias"]
     fusion = Fusion(**{key: value for key, value in given.items() if key not in {"x", "weight", "bias"}})
+    torch._dynamo.reset()  # each case and row count compiles anew (dynamo's recompile limit counts them all)
     compiled = torch.compile(layer_linear_reference, fullgraph=True, dynamic=False)
 
     def by_inductor() -> torch.Tensor:
@@ -109,6 +115,21 @@ def measure(name: str, case: Case, rows: int, device: torch.device, dtype: torch
             }
         finally:
             linear.DOT_ROWS = planned  # type: ignore[misc]
+        planner = linear.plan_blocks
+        for plan in dot_plans:  # other tensor-core tiles: output features x input features per step
+            block_n, block_k = (int(value) for value in plan.split("x"))
+            linear.plan_blocks = lambda *, rows, block_n=block_n, block_k=block_k, **_: (
+                max(power_of_two_at_least(rows), 16),
+                block_n,
+                block_k,
+            )
+            try:
+                result["paths"][f"fused_dot_{plan}"] = {
+                    "device_ms": device_ms_per_call(paths["fused"]),
+                    "error": largest_error(paths["fused"](), expected),
+                }
+            finally:
+                linear.plan_blocks = planner
     inductor = result["paths"]["inductor"]["device_ms"]
     result["fused_over_inductor"] = result["paths"]["fused"]["device_ms"] / inductor
     print(result, flush=True)
@@ -120,6 +141,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rows", default="1,4,8,16")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--dot-plans", default="", help="more tensor-core tiles timed from DOT_ROWS rows on (NxK,...)")
     args = parser.parse_args()
     device = pick_device(args.device)
     if device.type != "cuda":
@@ -129,7 +151,8 @@ def main() -> int:
     with torch.inference_mode():
         for name in args.cases.split(","):
             for rows in (int(value) for value in args.rows.split(",")):
-                out.add(measure(name, CASES[name], rows, device, dtype), show=False)
+                plans = tuple(plan for plan in args.dot_plans.split(",") if plan)
+                out.add(measure(name, CASES[name], rows, device, dtype, dot_plans=plans), show=False)
     out.finish()
     return 0
 
