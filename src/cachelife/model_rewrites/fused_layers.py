@@ -43,7 +43,7 @@ from cachelife.kernels.layer_linear import (
     layer_linear_problem,
     layer_linear_reference,
 )
-from cachelife.kernels.linear import MAX_ROWS
+from cachelife.kernels.linear import DOT_ROWS
 from cachelife.model_rewrites.fused_projections import MemberForward, ProjectionGroup
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,12 @@ class NormModule:
         return Fusion(Norm.RMS, weight, None, eps, activation, residual)
 
 
+FUSED_ROWS: Final = DOT_ROWS - 1
+"""The most rows a layer's product takes the fused op for. From `DOT_ROWS` rows on the op's tensor-core plan is
+slower on the GPU than the matrix-product library that the layer's own operations call (bench.layer_linear),
+so more rows take those."""
+
+
 def _reference_wanted(*tensors: torch.Tensor | None) -> bool:
     """Whether the fused op cannot serve: gradients wanted (the op has none)."""
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
@@ -84,12 +90,13 @@ def product(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The product of `x` (normalised by `norm` first) with `weight` and `bias`, `activation`, plus `residual`:
-    the fused op for at most `MAX_ROWS` rows; the same operations in torch for more, where gradients are wanted,
-    or where the op does not take the inputs (a norm kept in another dtype than the states, say)."""
+    the fused op for at most `FUSED_ROWS` rows; the same operations in torch for more, where gradients are
+    wanted, or where the op does not take the inputs (a norm kept in another dtype than the states, say)."""
     fusion = Fusion(activation=activation, residual=residual) if norm is None else norm.fusion(activation, residual)
     tensors = (x, weight, bias, fusion.norm_weight, fusion.norm_bias, residual)
-    # Many rows (a prompt) take the layer's own operations, which a compiled region fuses as the model's.
-    many = math.prod(x.shape[:-1]) > MAX_ROWS
+    # Many rows (a prompt, a full engine) take the layer's own operations, which a compiled region fuses as the
+    # model's.
+    many = math.prod(x.shape[:-1]) > FUSED_ROWS
     if many or _reference_wanted(*tensors) or layer_linear_problem(x, weight, bias, fusion):
         return layer_linear_reference(x, weight, bias, fusion)
     return layer_linear(x, weight, bias, fusion)
