@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 import cachelife
 from cachelife.kernels.layer_linear import layer_linear
-from cachelife.model_rewrites import fused_layers
+from cachelife.model_rewrites import layer_products
 from cachelife.model_rewrites.fused_layers import WhisperLayerForward, fuse_layers
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
@@ -222,7 +222,7 @@ def engine_requests(name: str, device: str = "cpu") -> tuple[PreTrainedModel, li
     return built.model, requests
 
 
-@pytest.mark.parametrize("batch", [fused_layers.FUSED_ROWS, fused_layers.FUSED_ROWS + 1])
+@pytest.mark.parametrize("batch", [layer_products.FUSED_ROWS, layer_products.FUSED_ROWS + 1])
 def test_steps_of_more_than_fused_rows_rows_take_the_layer_s_own_operations(batch: int) -> None:
     """Up to FUSED_ROWS rows (a one-token prompt, then every step) take the op; one row more, the layer's own
     operations (the matrix-product library is faster than the op's tensor-core plan there); the same tokens."""
@@ -231,7 +231,7 @@ def test_steps_of_more_than_fused_rows_rows_take_the_layer_s_own_operations(batc
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     cachelife.enable(model, options=cachelife.Options(fused_layers=True))
     calls, tokens = op_calls(model, inputs, compile_step=False)
-    fused = batch <= fused_layers.FUSED_ROWS
+    fused = batch <= layer_products.FUSED_ROWS
     assert calls == (NEW * layer_count(model) * CALLS_PER_LAYER["llama"][False] if fused else 0)
     assert torch.equal(tokens, expected)
 
@@ -249,7 +249,7 @@ def test_the_engine_s_rows_decode_generate_s_tokens_through_the_fused_products(
         calls.append(1)
         return layer_linear(*args, **kwargs)
 
-    monkeypatch.setattr(fused_layers, "layer_linear", counted)
+    monkeypatch.setattr(layer_products, "layer_linear", counted)
     with Engine(model, rows=3, max_length=40, compile_step=False) as engine:
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
     assert calls
