@@ -56,8 +56,8 @@ def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
 
 def enabled(name: str = "whisper", *, projections: bool) -> tuple[PreTrainedModel, zoo.Inputs, torch.Tensor]:
     built = zoo.build(name)
-    model, inputs = built.model, built.inputs(2, 7, 1)
-    if name == "llama":  # left-padded prompts with their mask
+    model, inputs = built.model, built.inputs(1, 7, 1)  # one row: FUSED_ROWS
+    if name == "llama":  # a left-padded prompt with its mask
         inputs = zoo.left_padded(inputs, 3, int(model.config.pad_token_id or 0))
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=projections))
@@ -129,10 +129,10 @@ def test_the_forward_equals_the_layers_as_written_for_many_rows_and_a_prompt() -
 
 
 def test_a_prompt_of_many_rows_takes_the_layer_s_own_operations() -> None:
-    """More than FUSED_ROWS rows (a prompt of 3 x 7 tokens) run the model's operations, which a compiled prefill
-    fuses as it fuses the unrewritten model's; the decoding steps' 3 rows take the op."""
+    """More than FUSED_ROWS rows (a prompt of 7 tokens) run the model's operations, which a compiled prefill fuses
+    as it fuses the unrewritten model's; the decoding steps' one row takes the op."""
     built = zoo.build("llama")
-    model, inputs = built.model, built.inputs(3, 7, 2)
+    model, inputs = built.model, built.inputs(1, 7, 2)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
     cachelife.enable(model, options=cachelife.Options(fused_layers=True))
     calls, tokens = op_calls(model, inputs, compile_step=False)
@@ -225,7 +225,7 @@ def engine_requests(name: str, device: str = "cpu") -> tuple[PreTrainedModel, li
 @pytest.mark.parametrize("batch", [layer_products.FUSED_ROWS, layer_products.FUSED_ROWS + 1])
 def test_steps_of_more_than_fused_rows_rows_take_the_layer_s_own_operations(batch: int) -> None:
     """Up to FUSED_ROWS rows (a one-token prompt, then every step) take the op; one row more, the layer's own
-    operations (the matrix-product library is faster than the op's tensor-core plan there); the same tokens."""
+    operations (the matrix-product library is faster than the op there); the same tokens."""
     built = zoo.build("llama")
     model, inputs = built.model, built.inputs(batch, 1, 4)
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
@@ -250,7 +250,7 @@ def test_the_engine_s_rows_decode_generate_s_tokens_through_the_fused_products(
         return layer_linear(*args, **kwargs)
 
     monkeypatch.setattr(layer_products, "layer_linear", counted)
-    with Engine(model, rows=3, max_length=40, compile_step=False) as engine:
+    with Engine(model, rows=1, max_length=40, compile_step=False) as engine:
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
     assert calls
     for index, (result, tokens) in enumerate(zip(results, expected, strict=True)):
@@ -265,7 +265,7 @@ def test_the_engine_s_rows_decode_generate_s_tokens_through_the_fused_products(
 @pytest.mark.parametrize("steps", [1, 3])
 def test_under_graphs_the_tokens_are_generate_s(name: str, steps: int) -> None:
     built = zoo.build(name, device=torch.device("cuda"))
-    model, inputs = built.model, built.inputs(2, 7, 1)
+    model, inputs = built.model, built.inputs(1, 7, 1)
     if name == "llama":
         inputs = zoo.left_padded(inputs, 3, int(model.config.pad_token_id or 0))
     expected = zoo.generate_tokens(model, inputs, **SETTINGS)
@@ -283,7 +283,7 @@ def test_the_engine_s_rows_under_graphs_decode_generate_s_tokens(name: str) -> N
     model, requests = engine_requests(name, "cuda")
     expected = [zoo.generate_tokens(model, request) for request in requests]
     cachelife.enable(model, options=cachelife.Options(fused_layers=True, fuse_projections=True))
-    with Engine(model, rows=3, max_length=40) as engine:
+    with Engine(model, rows=1, max_length=40) as engine:
         results = [future.result(timeout=300) for future in [engine.submit(**request) for request in requests]]
     for index, (result, tokens) in enumerate(zip(results, expected, strict=True)):
         assert torch.equal(result, tokens), index

@@ -21,7 +21,6 @@ from cachelife.kernels.layer_linear import (
     layer_linear_problem,
     layer_linear_reference,
 )
-from cachelife.kernels.linear import DOT_ROWS
 
 RMS_NORMS: Final = frozenset({"LlamaRMSNorm"})
 """Class names of RMS norms that compute Llama's: the normalised input rounded to its dtype, then scaled."""
@@ -44,10 +43,10 @@ class NormModule:
         return Fusion(Norm.RMS, weight, None, eps, activation, residual)
 
 
-FUSED_ROWS: Final = DOT_ROWS - 1
-"""The most rows a layer's product takes the fused op for. From `DOT_ROWS` rows on the op's tensor-core plan is
-slower on the GPU than the matrix-product library that the layer's own operations call (bench.layer_linear),
-so more rows take those."""
+FUSED_ROWS: Final = 1
+"""The most rows a layer's product takes the fused op for: one row (batch-1 decoding). From a few rows on the op
+is slower on the GPU than the matrix-product library that the layer's own operations call (`bench.layer_linear`
+measures both), so more rows take those."""
 
 
 def _reference_wanted(*tensors: torch.Tensor | None) -> bool:
