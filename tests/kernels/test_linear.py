@@ -108,13 +108,16 @@ def test_inputs_that_are_no_linear_product_are_refused() -> None:
 
 @given(
     rows=st.integers(1, MAX_ROWS), features=st.integers(1, 60000), in_features=st.integers(1, 9000),
-    programs=st.sampled_from([1, 264, 2000]),
+    programs=st.sampled_from([1, 264, 2000]), tensor_cores=st.booleans(),
 )  # fmt: skip
-def test_the_block_plan(rows: int, features: int, in_features: int, programs: int) -> None:
-    block_m, block_n, block_k = plan_blocks(rows=rows, features=features, inputs=in_features, programs=programs)
+def test_the_block_plan(rows: int, features: int, in_features: int, programs: int, tensor_cores: bool) -> None:
+    dot = tensor_cores and rows >= DOT_ROWS  # the lanes' plan serves many rows too (16-bit on the interpreter)
+    block_m, block_n, block_k = plan_blocks(
+        rows=rows, features=features, inputs=in_features, programs=programs, dot=dot
+    )
     for block in (block_m, block_n, block_k):
         assert block & (block - 1) == 0  # Triton's ranges are powers of two
-    if rows >= DOT_ROWS:  # tensor cores: tiles of 16 rows, 16 features and 16 to 128 inputs
+    if dot:  # tensor cores: tiles of 16 rows, 16 features and 16 to 128 inputs
         assert (block_m, block_n) == (16, 16)
         assert 16 <= block_k <= 128
         return

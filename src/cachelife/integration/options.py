@@ -44,7 +44,7 @@ class Options:
     - `small_linear`: every decoding step's linear products of one row and few output features through
       cachelife's Triton kernel for few rows (`cachelife.kernels.linear`); the model itself is not changed.
     - `fused_layers`: each decoder layer of a family cachelife knows (Whisper's, Llama's) with its norms and
-      residual adds folded into its products, for the few rows of a decoding step
+      residual adds folded into its products, for a decoding step of one row
       (`cachelife.model_rewrites.fused_layers`, `cachelife.kernels.layer_linear`); the parameters are not
       changed, and other models are left as they are, with a warning.
     - `compile_regions`: every layer of the model's stacks of identical layers marked as a compile region

@@ -145,12 +145,12 @@ _DOT_FEATURES: Final = 16
 _DOT_INPUTS: Final = 128
 
 
-def plan_blocks(*, rows: int, features: int, inputs: int, programs: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for these static shapes: the widest block of output features (at most 64)
-    that still gives `programs` programs, and as many input features per tile as fit `_TILE_ELEMENTS`; from
-    `DOT_ROWS` rows on, `tl.dot`'s tiles."""
+def plan_blocks(*, rows: int, features: int, inputs: int, programs: int, dot: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for these static shapes: on the tensor cores (`dot`), `tl.dot`'s tiles; else
+    the widest block of output features (at most 64) that still gives `programs` programs, and as many input
+    features per tile as fit `_TILE_ELEMENTS`."""
     block_m = power_of_two_at_least(rows)
-    if rows >= DOT_ROWS:
+    if dot:
         return max(block_m, 16), _DOT_FEATURES, min(_DOT_INPUTS, max(power_of_two_at_least(inputs), 16))
     block_n = 64
     while block_n > 1 and math.ceil(features / block_n) < programs:
@@ -163,14 +163,11 @@ def launch_plan(
     *, rows: int, features: int, inputs: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[dict[str, Any], int]:
     """The kernel's block constants (BLOCK_M, BLOCK_N, BLOCK_K, DOT, LANES) and its programs for these static
-    shapes on `device`. Triton's interpreter (the CPU) computes a 16-bit `tl.dot` wrongly: there only float32
-    products take it."""
+    shapes on `device`: the tensor cores from `DOT_ROWS` rows on. Triton's interpreter (the CPU) computes a
+    16-bit `tl.dot` wrongly: there only float32 products take them."""
     dot = rows >= DOT_ROWS and (device.type == "cuda" or dtype == torch.float32)
     wanted = _PROGRAMS_PER_SM * multiprocessors(device)
-    block_m, block_n, block_k = plan_blocks(
-        rows=rows if dot else min(rows, DOT_ROWS - 1), features=features, inputs=inputs, programs=wanted
-    )
-    block_m = block_m if dot else power_of_two_at_least(rows)
+    block_m, block_n, block_k = plan_blocks(rows=rows, features=features, inputs=inputs, programs=wanted, dot=dot)
     blocks = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": dot, "LANES": 1 if dot else block_k}
     return blocks, math.ceil(features / block_n)
 

@@ -1,4 +1,4 @@
-"""Fused decoder layers: each pre-norm decoder layer of a family cachelife knows run through its few-row fused
+"""Fused decoder layers: each pre-norm decoder layer of a family cachelife knows run through its one-row fused
 products (`cachelife.kernels.layer_linear`), reversibly.
 
 A pre-norm layer normalises its input before each block and adds the block's output to it after. `fuse_layers`

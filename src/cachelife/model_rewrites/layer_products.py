@@ -1,5 +1,5 @@
 """The products of a fused decoder layer (`cachelife.model_rewrites.fused_layers`): a norm module the products
-fold in (`NormModule`), the product that takes the fused op (`cachelife.kernels.layer_linear`) for few rows and the
+fold in (`NormModule`), the product that takes the fused op (`cachelife.kernels.layer_linear`) for one row and the
 layer's own operations otherwise (`product`), and the forwards `fuse_layers` gives a layer's projections: the norm
 inside the product (`NormedLinearForward`, and `NormedProduct` for a fused projection group) or the input passed
 through to the layer, which applies the projection with its residual (`PassThrough`)."""
