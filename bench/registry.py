@@ -180,11 +180,13 @@ _ENTRIES = (
         "cuda", "decode-attention-cuda-*.json",
     ),
     Benchmark(
-        "layer-linear", "bench.layer_linear", ("--device", "cuda", "--dtype", "bfloat16", "--rows", "1,4,8,16"),
+        "layer-linear", "bench.layer_linear",
+        ("--device", "cuda", "--dtype", "bfloat16", "--rows", "1,4,8,16", "--dot-plans",
+         "16x256,32x64,32x128,64x64,64x128"),
         "cachelife's fused layer product (norm, product, activation, residual in one kernel) against the same "
         "operations compiled by inductor, at whisper-large-v3's and the Llama-3.2-1B shape's decoder products, "
         "1 to 16 rows, bf16, device time per call in CUDA graphs, each within its distance from float64; at 16 "
-        "rows also the plan without tensor cores",
+        "rows also the plan without tensor cores and five other tensor-core tiles",
         "cuda", "layer-linear-cuda-*.json",
     ),
     Benchmark(
