@@ -16,12 +16,14 @@ replayed (device time per call, the median of 5; `bench.decode_attention`'s timi
   the plan's choice is measured;
 - `fused_dot_<N>x<K>` (from `DOT_ROWS` rows on, for each `--dot-plans` value): the tensor-core plan with tiles of
   N output and K input features.
-Each path's largest difference from a float64 computation of the same operations is kept. Writes
+Each path's largest difference from a float64 computation of the same operations is kept, and the verdict says
+whether every path is within twice the compiled operations' difference (plus one rounding step of the dtype). Writes
 `<out>/layer-linear-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -99,20 +101,18 @@ def measure(
     def fused() -> torch.Tensor:
         return layer_linear(x, weight, bias, fusion)
 
-    paths = {"inductor": by_inductor, "fused": fused}
     expected = float64(given)
-    result: dict[str, Any] = {"case": name, "rows": rows, "paths": {}}
-    for path, call in paths.items():
-        result["paths"][path] = {"device_ms": device_ms_per_call(call), "error": largest_error(call(), expected)}
+
+    def timed(call: Callable[[], torch.Tensor]) -> dict[str, float]:
+        return {"device_ms": device_ms_per_call(call), "error": largest_error(call(), expected)}
+
+    paths = {"inductor": timed(by_inductor), "fused": timed(fused)}
+    result: dict[str, Any] = {"case": name, "rows": rows, "paths": paths}
     if rows >= linear.DOT_ROWS:
         planned = linear.DOT_ROWS
         linear.DOT_ROWS = 10**9  # type: ignore[misc]  # the plan without tensor cores, for this path alone
         try:
-            call = paths["fused"]
-            result["paths"]["fused_lanes"] = {
-                "device_ms": device_ms_per_call(call),
-                "error": largest_error(call(), expected),
-            }
+            paths["fused_lanes"] = timed(fused)
         finally:
             linear.DOT_ROWS = planned  # type: ignore[misc]
         planner = linear.plan_blocks
@@ -124,12 +124,12 @@ def measure(
                 block_k,
             )
             try:
-                result["paths"][f"fused_dot_{plan}"] = {
-                    "device_ms": device_ms_per_call(paths["fused"]),
-                    "error": largest_error(paths["fused"](), expected),
-                }
+                paths[f"fused_dot_{plan}"] = timed(fused)
             finally:
                 linear.plan_blocks = planner
+    # Every path within twice the compiled operations' distance from float64 (plus one rounding step).
+    bound = 2 * paths["inductor"]["error"] + torch.finfo(dtype).eps
+    result["verdict"] = {"bound": bound, "all_agree_with_inductor": all(p["error"] <= bound for p in paths.values())}
     inductor = result["paths"]["inductor"]["device_ms"]
     result["fused_over_inductor"] = result["paths"]["fused"]["device_ms"] / inductor
     print(result, flush=True)
