@@ -74,7 +74,7 @@ def test_the_eager_tokens_come_through_the_fused_products(name: str, projections
     model, inputs, expected = enabled(name, projections=projections)
     calls, tokens = op_calls(model, inputs, compile_step=False)
     # Every step ran each layer's products through the op; the prefill too where its rows are few (Whisper's
-    # decoder prompt), not Llama's two prompts of ten tokens.
+    # decoder prompt), not Llama's prompt of ten tokens.
     steps = NEW if name == "whisper" else NEW - 1
     assert calls == steps * layer_count(model) * CALLS_PER_LAYER[name][projections]
     assert torch.equal(tokens, expected)
