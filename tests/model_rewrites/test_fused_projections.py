@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -300,6 +301,20 @@ def test_a_deep_copy_of_a_fused_model_is_fused_and_restored_on_its_own() -> None
     assert not fused_buffers(twin)
     assert_fused(model)
     assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS), expected)
+
+
+@pytest.mark.parametrize("name", ["llama", "whisper"])
+def test_save_pretrained_of_a_fused_model_loads_back_as_the_unfused_model(name: str, tmp_path: Path) -> None:
+    model = build(name).model
+    expected = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
+    assert_fused(model)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(loaded[key], tensor), key
+    assert not any("cachelife_fused" in key for key in loaded)  # the fused buffers are not persistent
 
 
 def test_cross_attention_is_left_alone() -> None:

@@ -26,8 +26,8 @@ Memory, for a group of projections with o_i outputs each, k inputs, and element 
 
 A parameter given another storage while fused (`model.to`, `load_state_dict(assign=True)`, a deep copy of the
 model) is noticed at its group's next eager call, which fuses the group again from the parameters as they are
-then; a compiled forward traced after a parameter was replaced computes that group's products separately. Save
-the model unfused: its fused parameters share one storage, which safetensors refuses.
+then; a compiled forward traced after a parameter was replaced computes that group's products separately.
+`save_pretrained` of a fused model writes the parameters as the unfused model's (the buffers are not persistent).
 """
 
 from __future__ import annotations
