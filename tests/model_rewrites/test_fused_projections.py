@@ -310,7 +310,8 @@ def test_save_pretrained_of_a_fused_model_loads_back_as_the_unfused_model(name: 
     cachelife.enable(model, options=cachelife.Options(fuse_projections=True))
     assert_fused(model)
     model.save_pretrained(tmp_path)
-    loaded = type(model).from_pretrained(tmp_path).state_dict()
+    # transformers 5.25 loads hub kernels by default, which needs the `kernels` package; the weights are asked here.
+    loaded = type(model).from_pretrained(tmp_path, use_kernels=False).state_dict()
     assert loaded.keys() == expected.keys()
     for key, tensor in expected.items():
         assert torch.equal(loaded[key], tensor), key
