@@ -7,7 +7,7 @@ inductor, as a decoding step runs them, at the decoder products of whisper-large
 Each case is one product of a decoding step with what surrounds it in the layer (CASES: Whisper's fused query,
 key and value with their layer norm; an output projection with its residual; fc1 with its norm and GELU; fc2
 with its residual; Llama's fused query, key and value and its gate and up products with their RMS norm; its down
-product with its residual), for each `--rows` value. Three paths, each timed as a CUDA graph of 20 calls
+product with its residual), for each `--rows` value. Its paths, each timed as a CUDA graph of 20 calls
 replayed (device time per call, the median of 5; `bench.decode_attention`'s timing):
 - `inductor`: `layer_linear_reference` (the layer's own operations) compiled with `torch.compile`
   (`fullgraph`, inductor's default options): what a compiled step runs without the lever;
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Final
+from unittest import mock
 
 import torch
 from attrs import frozen
@@ -109,24 +110,13 @@ def measure(
     paths = {"inductor": timed(by_inductor), "fused": timed(fused)}
     result: dict[str, Any] = {"case": name, "rows": rows, "paths": paths}
     if rows >= linear.DOT_ROWS:
-        planned = linear.DOT_ROWS
-        linear.DOT_ROWS = 10**9  # type: ignore[misc]  # the plan without tensor cores, for this path alone
-        try:
+        with mock.patch.object(linear, "DOT_ROWS", 10**9):  # the plan without tensor cores, for this path alone
             paths["fused_lanes"] = timed(fused)
-        finally:
-            linear.DOT_ROWS = planned  # type: ignore[misc]
-        planner = linear.plan_blocks
         for plan in dot_plans:  # other tensor-core tiles: output features x input features per step
             block_n, block_k = (int(value) for value in plan.split("x"))
-            linear.plan_blocks = lambda *, rows, block_n=block_n, block_k=block_k, **_: (
-                max(power_of_two_at_least(rows), 16),
-                block_n,
-                block_k,
-            )
-            try:
+            tiles = (max(power_of_two_at_least(rows), 16), block_n, block_k)
+            with mock.patch.object(linear, "plan_blocks", lambda tiles=tiles, **_: tiles):
                 paths[f"fused_dot_{plan}"] = timed(fused)
-            finally:
-                linear.plan_blocks = planner
     # Every path within twice the compiled operations' distance from float64 (plus one rounding step).
     bound = 2 * paths["inductor"]["error"] + torch.finfo(dtype).eps
     result["verdict"] = {"bound": bound, "all_agree_with_inductor": all(p["error"] <= bound for p in paths.values())}
