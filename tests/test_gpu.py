@@ -27,6 +27,7 @@ from transformers.cache_utils import EncoderDecoderCache, StaticCache
 import cachelife
 from cachelife.core.buffers import PinSpec
 from cachelife.errors import CompiledRegionError
+from cachelife.generation import graphs
 from cachelife.generation.loop_settings import CudaGraphs
 from cachelife.integration.call_arguments import cache_argument_name
 from cachelife.integration.guard import DecodingGuard
@@ -334,3 +335,30 @@ def test_concurrent_first_calls_on_two_models_capture_correctly() -> None:
     for _ in range(2):
         got = _in_threads([call(b, i) for b, i in zip(models, inputs, strict=True)])
         assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), got
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
+def test_a_failed_capture_leaves_the_next_capture_working() -> None:
+    """A capture invalidated by an operation it must not run (a copy to the host) raises, and leaves the
+    thread's stream and the memory pool as they were: the next capture on the same pool succeeds."""
+    device = torch.device("cuda")
+    pool = torch.cuda.graph_pool_handle()
+    before = torch.cuda.current_stream(device)
+    source = torch.arange(4.0, device=device)
+    target = torch.zeros(4, device=device)
+
+    def synchronising() -> None:
+        (source * 2).cpu()
+
+    with pytest.raises(RuntimeError, match="captur"):
+        graphs.capture_cuda(lambda: None, synchronising, device, pool)
+    assert torch.cuda.current_stream(device) == before
+
+    def doubling() -> None:
+        target.copy_(source * 2)
+
+    graph = graphs.capture_cuda(doubling, doubling, device, pool)
+    target.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert target.tolist() == [0.0, 2.0, 4.0, 6.0]

@@ -50,15 +50,37 @@ def capture_cuda(
     """`warm_up` run on the capture stream, then `calls` captured in one CUDA graph there. The warm-up runs
     the compiled step once, so that what a capture must not do happens before it (compilation, autotuning,
     lazy initialisation, the matrix-product library's workspace for this stream)."""
-    stream = _capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    stream, before = _capture_stream(device), torch.cuda.current_stream(device)
+    stream.wait_stream(before)
     with torch.cuda.stream(stream):
         warm_up()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        calls()
-    torch.cuda.current_stream(device).wait_stream(stream)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            calls()
+    except BaseException:
+        _end_failed_capture(device, graph, pool, before)
+        raise
+    before.wait_stream(stream)
     return graph
+
+
+def _end_failed_capture(
+    device: torch.device, graph: torch.cuda.CUDAGraph, pool: _POOL_HANDLE | None, stream: torch.cuda.Stream
+) -> None:
+    """Undo what a failed capture leaves behind, so that the process's later captures can succeed. When the
+    capture was invalidated, torch's `capture_end` raises before it stops routing the thread's allocations
+    to the graph's memory pool (every later capture then fails with "already recording to mempool_id") and
+    before `torch.cuda.graph` gives the thread its `stream` back (later work would run on the capture stream)."""
+    try:
+        torch._C._cuda_endAllocateToPool(_index(device), pool if pool is not None else graph.pool())
+    except RuntimeError:  # the capture had ended it (a torch that ends it before raising, or no capture began)
+        logger.debug("cachelife: the failed capture's memory pool was not recording", exc_info=True)
+    torch.cuda.set_stream(stream)
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
