@@ -82,7 +82,7 @@ def enabled(model: Any, levers: tuple[str, ...]) -> Iterator[None]:
     if not levers:
         yield
         return
-    on: dict[str, Any] = dict.fromkeys(levers, True)
+    on: dict[str, Any] = {name: name in levers for name in LEVERS}  # explicit: fused projections default on
     enable(model, options=Options(**on))
     try:
         yield

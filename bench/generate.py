@@ -65,17 +65,18 @@ from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
 LEVERS: dict[str, cachelife.Options] = {
-    "fuse_projections": cachelife.Options(fuse_projections=True),
-    "decode_attention": cachelife.Options(decode_attention=True),
-    "small_linear": cachelife.Options(small_linear=True),
-    "fused_layers": cachelife.Options(fused_layers=True),
-    "layers_projections": cachelife.Options(fused_layers=True, fuse_projections=True),
-    "fast_kernels": cachelife.Options(compile_options=cachelife.FAST_KERNELS),
+    "exact": cachelife.EXACT,
+    "fuse_projections": attrs.evolve(cachelife.EXACT, fuse_projections=True),
+    "decode_attention": attrs.evolve(cachelife.EXACT, decode_attention=True),
+    "small_linear": attrs.evolve(cachelife.EXACT, small_linear=True),
+    "fused_layers": attrs.evolve(cachelife.EXACT, fused_layers=True),
+    "layers_projections": attrs.evolve(cachelife.EXACT, fused_layers=True, fuse_projections=True),
+    "fast_kernels": attrs.evolve(cachelife.EXACT, compile_options=cachelife.FAST_KERNELS),
     "fast": cachelife.FAST,
     "all": attrs.evolve(cachelife.FAST, small_linear=True),
 }
-"""`--levers` names: one lever alone, fused layers with fused projections, `FAST`, and `FAST` with the few-row
-linear kernel."""
+"""`--levers` names: nothing on (`EXACT`; the `cachelife` path has the default, fused projections), one lever
+alone, fused layers with fused projections, `FAST`, and `FAST` with the few-row linear kernel."""
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
 LLAMAS = ("llama-3.2-1b",)
@@ -153,7 +154,7 @@ def paths(
             "auto",
         )
     if "forward" in wanted:
-        forward = cachelife.enable(build(name, args.tiny, device, dtype).model)
+        forward = cachelife.enable(build(name, args.tiny, device, dtype).model, options=cachelife.EXACT)
         mode = "reduce-overhead" if device.type == "cuda" else "default"
         # Rounded at every cast as eager rounds, as cachelife.generate's step is: the bf16 reference.
         cachelife.compile_forward(forward, mode=mode, fullgraph=True, options={"emulate_precision_casts": True})

@@ -39,7 +39,9 @@ _TINY_LOAD = ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--con
               "--requests", "128", "--rows", "4", "--queue-size", "16", "--prompt-tokens", "8,32", "--new-tokens",
               "4,16", "--bad-share", "0.1")  # fmt: skip
 
-ALL_LEVERS = "fuse_projections,decode_attention,small_linear,fused_layers,layers_projections,fast_kernels,fast,all"
+ALL_LEVERS = (
+    "exact,fuse_projections,decode_attention,small_linear,fused_layers,layers_projections,fast_kernels,fast,all"
+)
 """bench.generate's `--levers`, every one."""
 
 _ENTRIES = (

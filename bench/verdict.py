@@ -3,7 +3,9 @@
 float32: the tokens equal `model.generate`'s (the benchmark compares them itself). Other dtypes round otherwise
 when compiled, so tokens may part at near ties; the verdict then teacher-forces transformers along the decoded
 sequence: one eager forward of the model over the whole sequence gives every step's logits, in float32 (a
-float32 copy of the model: the reference) and in the run's dtype (transformers' own rounding error).
+float32 copy of the model: the reference) and in the run's dtype (transformers' own rounding error). Both run on
+a copy of the model with cachelife's rewrites undone (`cachelife.disable`): transformers' own modules, whatever
+levers the run had on.
 
 - `logits_agree_with_transformers` (when the run returned its logits, `output_logits=True`): the run's logits are
   at most `BOUND` times as far from the float32 reference as transformers' own bf16 logits are (relative RMS
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+
+import cachelife
 
 BOUND = 2.0
 FLOAT32_TOLERANCE = 1e-5
@@ -54,16 +58,26 @@ def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
     return float((logits.float() - reference).norm() / reference.norm())
 
 
+def unrewritten(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of `model` with transformers' own modules: cachelife's rewrites of an enabled model undone."""
+    twin = copy.deepcopy(model)
+    if cachelife.is_enabled(twin):
+        cachelife.disable(twin)
+    return twin
+
+
 def judge(
     model: PreTrainedModel, inputs: dict[str, Any], sequences: torch.Tensor, prompt_width: int, *,
     logits: torch.Tensor | None = None, raw_greedy: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """The verdict (module docstring) on `sequences`, which the run decoded from `inputs` with `model`
     (`logits`: its (batch, new, vocab) logits, if it returned them)."""
-    exact = copy.deepcopy(model).float()
+    plain = unrewritten(model)
+    exact = copy.deepcopy(plain).float()
     reference = sequence_logits(exact, inputs, sequences, prompt_width)
     del exact
-    rounded = sequence_logits(model, inputs, sequences, prompt_width)
+    rounded = sequence_logits(plain, inputs, sequences, prompt_width)
+    del plain
     own = relative_error(rounded, reference)
     verdict: dict[str, Any] = {"bound": BOUND, "transformers_logit_error": round(own, 6)}
     if logits is not None:

@@ -24,10 +24,11 @@ LEVERS = ("fuse_projections", "decode_attention", "small_linear", "fused_layers"
 SETTINGS: dict[str, Any] = {"max_new_tokens": 4, "min_new_tokens": 4}
 
 
-def test_the_default_is_exact_everything_off() -> None:
-    assert cachelife.Options() == cachelife.EXACT
+def test_the_default_fuses_projections_and_exact_turns_every_lever_off() -> None:
+    assert [getattr(cachelife.Options(), lever) for lever in LEVERS] == [True] + [False] * (len(LEVERS) - 1)
+    assert attrs.evolve(cachelife.Options(), fuse_projections=False) == cachelife.EXACT
     assert [getattr(cachelife.EXACT, lever) for lever in LEVERS] == [False] * len(LEVERS)
-    assert dict(cachelife.EXACT.compile_options) == {}
+    assert dict(cachelife.EXACT.compile_options) == dict(cachelife.Options().compile_options) == {}
 
 
 def test_fast_is_fused_projections_decode_attention_and_fast_kernels() -> None:
@@ -85,9 +86,10 @@ def test_options_are_keyword_only_frozen_and_hashable() -> None:
 @pytest.mark.parametrize(
     ("options", "shown"),
     [
-        (cachelife.EXACT, "Options()"),
+        (cachelife.Options(), "Options()"),
+        (cachelife.EXACT, "Options(fuse_projections=False)"),
         (cachelife.Options(small_linear=True), "Options(small_linear=True)"),
-        (cachelife.FAST, "Options(fuse_projections=True, decode_attention=True, compile_options={"),
+        (cachelife.FAST, "Options(decode_attention=True, compile_options={"),
     ],
 )
 def test_the_repr_is_a_call_that_makes_the_value(options: cachelife.Options, shown: str) -> None:
@@ -113,7 +115,7 @@ def test_enable_replaces_the_options_value() -> None:
     cachelife.enable(model, options=second)
     assert options_of(model) is second
     cachelife.enable(model)
-    assert options_of(model) is cachelife.EXACT
+    assert options_of(model) == cachelife.Options()
     cachelife.disable(model)
     assert options_of(model) is cachelife.EXACT
 
@@ -177,7 +179,7 @@ def test_switching_between_options_applies_and_restores_each_rewrite_exactly() -
     )
     cachelife.enable(model, options=every)
     assert model_state(model)["attributes"] != before["attributes"]  # fused and marked
-    cachelife.enable(model, options=cachelife.Options(decode_attention=True))
+    cachelife.enable(model, options=cachelife.Options(decode_attention=True, fuse_projections=False))
     assert not any(UNMARKED in vars(module) for module in model.modules())
     assert not any("cachelife_fused" in name for name, _ in model.named_buffers())
     assert model_state(model)["attention"] != before["attention"]
@@ -192,7 +194,7 @@ def test_switching_between_options_applies_and_restores_each_rewrite_exactly() -
 
 def test_the_boolean_keywords_warn_and_name_the_options_to_pass() -> None:
     model = zoo.build("llama").model
-    replacement = "pass options=cachelife.Options(fuse_projections=True, small_linear=True)"
+    replacement = "pass options=cachelife.Options(small_linear=True)"
     with pytest.warns(DeprecationWarning, match=re.escape(replacement)) as warned:
         cachelife.enable(model, fuse_projections=True, small_linear=True)
     assert [warning.filename for warning in warned] == [__file__]  # at the caller's line

@@ -141,7 +141,7 @@ def test_a_model_with_a_part_of_its_own_attention_is_refused_before_anything_cha
     with pytest.raises(UnsupportedGenerationError, match=refusal):
         cachelife.enable(model, options=cachelife.Options(decode_attention=True))
     assert not cachelife.is_enabled(model)
-    cachelife.enable(model)
+    cachelife.enable(model, options=cachelife.EXACT)
     with pytest.raises(UnsupportedGenerationError, match=refusal):
         cachelife.enable(model, options=cachelife.Options(decode_attention=True, fuse_projections=True))
     assert implementations(model) == before

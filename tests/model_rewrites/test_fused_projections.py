@@ -121,6 +121,20 @@ def storage_bytes(model: torch.nn.Module, *extra: torch.Tensor) -> int:
 # ---- eager: tokens, restoration, memory ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["whisper", "llama"])
+def test_enable_fuses_by_default_and_cachelife_generate_keeps_the_tokens(name: str) -> None:
+    """Fused projections are on unless the options turn them off: a plain `enable` fuses, and the compiled
+    steps of `cachelife.generate` decode `model.generate`'s float32 tokens, greedy and with beams."""
+    built = build(name)
+    model, inputs = built.model, built.inputs(2, 7, 1)
+    greedy = zoo.generate_tokens(model, inputs, **SETTINGS)
+    beams = zoo.generate_tokens(model, inputs, **BEAMS)
+    cachelife.enable(model)
+    assert_fused(model)
+    assert torch.equal(tokens(cachelife.generate(model, fallback=False, **inputs, **SETTINGS)), greedy)
+    assert torch.equal(tokens(cachelife.generate(model, fallback=False, **inputs, **BEAMS)), beams)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_eager_tokens_equal_unfused_with_fewer_products(name: str) -> None:
     built = build(name)
@@ -180,7 +194,7 @@ def test_enable_again_without_fusion_restores_and_releases() -> None:
     built = build("llama")
     model, inputs = built.model, built.inputs(2, 7, 1)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    cachelife.enable(model)
+    cachelife.enable(model, options=cachelife.EXACT)
     assert not fused_buffers(model)
     cachelife.generate(model, compile_step=False, **inputs, **SETTINGS)
     assert len(runtime_of(model).states) > 0
@@ -189,7 +203,7 @@ def test_enable_again_without_fusion_restores_and_releases() -> None:
     assert len(runtime_of(model).states) == 0  # released: graphs and steps read the old weights
     cachelife.enable(model, options=cachelife.Options(fuse_projections=True))  # unchanged: nothing happens
     assert_fused(model)
-    cachelife.enable(model)
+    cachelife.enable(model, options=cachelife.EXACT)
     assert cachelife.is_enabled(model)
     assert not fused_buffers(model)
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())

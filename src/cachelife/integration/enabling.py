@@ -19,7 +19,7 @@ from cachelife.core.shapes import model_cache_shapes
 from cachelife.errors import InvalidArgumentError, UnsupportedCacheError
 from cachelife.integration.buckets import check_bucketable, check_buckets
 from cachelife.integration.guard import DecodingGuard, OnUnpinned, guard_of
-from cachelife.integration.options import EXACT, Options
+from cachelife.integration.options import DEFAULT, EXACT, Options
 from cachelife.integration.rewrites import check_rewrites
 from cachelife.integration.runtime import Released, existing_runtime
 from cachelife.validate import check_int
@@ -28,7 +28,7 @@ from cachelife.validate import check_int
 def enable(
     model: PreTrainedModel,
     *,
-    options: Options = EXACT,
+    options: Options = DEFAULT,
     on_unpinned: OnUnpinned = "pin",
     pool_bytes: int = DEFAULT_BUDGET_BYTES,
     encoder_buckets: Sequence[int] | None = None,
@@ -40,12 +40,13 @@ def enable(
     """Guard `model` so that every static cache it decodes with is pinned first; returns the model.
 
     Idempotent (a second call replaces the settings). `options` (`Options`) are the levers installed on the
-    model: `EXACT` (the default) turns none on, `FAST` the ones that cut the decoding step's kernel time; a change
-    of options releases the model's runtime (`release`). `on_unpinned` decides what happens when a cache
-    reaches a forward call unpinned (it was replaced after `generate` prepared it, or built by hand): "pin"
-    pins it there and logs a WARNING (the default), "raise" raises `UnpinnedCacheError`. `pool_bytes` is the
-    budget of idle pinned buffers kept between `generate` calls so that the next call of the same shape
-    decodes at the same addresses (no CUDA-graph re-recording); 0 turns the pool off. `encoder_buckets`
+    model: `Options()` (the default) fuses projections, `EXACT` turns none on, `FAST` the ones that cut the
+    decoding step's kernel time; a change of options releases the model's runtime (`release`). `on_unpinned`
+    decides what happens when a cache reaches a forward call unpinned (it was replaced after `generate`
+    prepared it, or built by hand): "pin" pins it there and logs a WARNING (the default), "raise" raises
+    `UnpinnedCacheError`. `pool_bytes` is the budget of idle pinned buffers kept between `generate` calls so
+    that the next call of the same shape decodes at the same addresses (no CUDA-graph re-recording); 0 turns
+    the pool off. `encoder_buckets`
     (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.integration.buckets`),
     e.g. `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that
     fits, so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
@@ -95,7 +96,7 @@ def with_deprecated_levers(options: object, **levers: bool | None) -> Options:
     """`options` (checked to be an `Options`) with the levers `enable` was given as deprecated keywords (those
     not None), and a `DeprecationWarning` at the caller of `enable` naming the value to pass instead."""
     if not isinstance(options, Options):
-        msg = f"options must be a cachelife.Options (cachelife.EXACT, cachelife.FAST), got {options!r:.80}"
+        msg = f"options must be a cachelife.Options (Options(), cachelife.EXACT, cachelife.FAST), got {options!r:.80}"
         raise InvalidArgumentError(msg)
     given: dict[str, Any] = {name: value for name, value in levers.items() if value is not None}
     if not given:

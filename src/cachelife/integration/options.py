@@ -1,6 +1,7 @@
 """What `cachelife.enable` installs on a model, as one value: `Options`, frozen, keyword-only and checked when it
-is made, and its presets: `EXACT` (nothing on, the default: tokens equal `model.generate`'s) and `FAST` (the
-levers that cut the decoding step's kernel time, at the price of other rounding).
+is made, and its presets: `DEFAULT` (`Options()`: fused projections, the one lever that keeps `model.generate`'s
+tokens), `EXACT` (nothing on: the model's own operations) and `FAST` (the levers that cut the decoding step's
+kernel time, at the price of other rounding).
 
 Each boolean field is one lever, applied to the model as one reversible rewrite
 (`cachelife.integration.rewrites`); `compile_options` are the inductor options of cachelife's compiled steps.
@@ -30,13 +31,18 @@ def _read_only(options: Mapping[str, object] | None) -> CompileOptions:
 
 @frozen(kw_only=True, repr=False)
 class Options:
-    """The levers `cachelife.enable` installs on a model. Every field is off by default (`EXACT`); each is
-    checked when the value is made, and a wrong one raises `InvalidArgumentError` naming it.
+    """The levers `cachelife.enable` installs on a model. `fuse_projections` is on by default, every other field
+    off (`DEFAULT`); each is checked when the value is made, and a wrong one raises `InvalidArgumentError` naming
+    it.
 
-    - `fuse_projections`: each layer's self-attention query, key and value, and a gated MLP's gate and up
-      projections, as one matrix product (`cachelife.model_rewrites.fused_projections`). The weights are
-      concatenated once, at `enable`, and the parameters become views of them: memory stays as it was but for
-      zeros standing in for a missing bias.
+    - `fuse_projections` (on by default): each layer's self-attention query, key and value, and a gated MLP's
+      gate and up projections, as one matrix product (`cachelife.model_rewrites.fused_projections`). The weights
+      are concatenated once, at `enable`, and the parameters become views of them: memory stays as it was but
+      for zeros standing in for a missing bias. Each output is the same dot product as the separate layers',
+      summed by a kernel the matrix-product library picks for the wider product: float32 tokens equal
+      `model.generate`'s in the tests, and bf16 logits lie as close to transformers' compiled forward as the
+      separate products'. Models without such groups (GPT-2's fused attention, quantized or adapted layers)
+      are left as they are.
     - `decode_attention`: cachelife's split-KV attention kernel for one query as the attention implementation of
       every config the model holds, for self- and cross-attention (`cachelife.model_rewrites.decode_attention`;
       transformers' SDPA for prompts). A model with a part whose attention does not go through transformers'
@@ -58,7 +64,7 @@ class Options:
     releases the model's compiled steps and graphs (`cachelife.release`).
     """
 
-    fuse_projections: bool = field(default=False, validator=_is_bool)
+    fuse_projections: bool = field(default=True, validator=_is_bool)
     decode_attention: bool = field(default=False, validator=_is_bool)
     small_linear: bool = field(default=False, validator=_is_bool)
     fused_layers: bool = field(default=False, validator=_is_bool)
@@ -67,7 +73,7 @@ class Options:
     compile_options: CompileOptions = field(factory=lambda: MappingProxyType({}), converter=_read_only, hash=False)
 
     def __repr__(self) -> str:
-        """The fields that differ from `EXACT`'s, as a call that makes this value."""
+        """The fields that differ from the default's, as a call that makes this value."""
         default = Options()
         changed = [
             f"{item.name}={dict(value) if isinstance(value, Mapping) else value!r}"
@@ -77,8 +83,12 @@ class Options:
         return f"Options({', '.join(changed)})"
 
 
-EXACT: Final = Options()
-"""Nothing on: `cachelife.generate` and an enabled model's `generate` decode `model.generate`'s tokens."""
+DEFAULT: Final = Options()
+"""What `cachelife.enable` installs unless told otherwise: fused projections, nothing else."""
+
+EXACT: Final = Options(fuse_projections=False)
+"""Nothing on: every module of the model computes as it was written; `cachelife.generate` and an enabled
+model's `generate` decode `model.generate`'s tokens."""
 
 FAST: Final = Options(fuse_projections=True, decode_attention=True, compile_options=FAST_KERNELS)
 """Fused projections, cachelife's decode attention kernel and `FAST_KERNELS`: the levers that cut the decoding

@@ -36,9 +36,9 @@ def _restores_nothing() -> None:
 
 def _fuse(model: PreTrainedModel) -> Restore:
     fused = fuse_projections(model)
-    if not fused.groups:
-        logger.warning(
-            "fuse_projections=True: no projections of %s can be fused (%d group(s) left as they are; DEBUG "
+    if not fused.groups:  # on by default: most models that have none are no mistake of the caller's
+        logger.info(
+            "fuse_projections: no projections of %s can be fused (%d group(s) left as they are; DEBUG "
             "logging of cachelife.model_rewrites.fused_projections says why)",
             type(model).__name__,
             len(fused.skipped),
