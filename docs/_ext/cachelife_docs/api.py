@@ -23,7 +23,7 @@ NOTES = {
     "TRANSITIONS": "The legal transitions of a layer, (state class, event) -> next state class: see :doc:`lifecycle`.",
     "FAST_KERNELS": "Inductor options for ``cachelife.generate(..., compile_options=cachelife.FAST_KERNELS)``: "
     "see :doc:`performance`.",
-    "EXACT": "The default ``cachelife.Options``: every lever off, tokens equal ``model.generate``'s.",
+    "EXACT": "``cachelife.Options`` with every lever off (the default fuses projections): the model's own modules.",
     "FAST": "``cachelife.Options`` with fused projections, the decode attention kernel and ``FAST_KERNELS``: "
     "see :doc:`guide`.",
     "__version__": "The installed cachelife version.",

@@ -36,7 +36,8 @@ GROUPS: tuple[Group, ...] = (
         "Enable a model",
         "`enable` guards a model so that its `generate` (compiled with `compile_forward`, or by transformers' "
         "auto-compile) decodes only with pinned caches; `disable` restores it exactly. `Options` are the levers it "
-        "installs (`EXACT`, the default, turns none on; `FAST` the fast set). `pool_of` shows the "
+        "installs (`Options()`, the default, fuses projections; `EXACT` turns every lever off; `FAST` the fast "
+        "set). `pool_of` shows the "
         "buffers an enabled model keeps between calls, and `release` frees everything cachelife keeps for it. "
         "See :doc:`guide`.",
         (
