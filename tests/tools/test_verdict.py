@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from bench.verdict import FLOAT32_TOLERANCE, judge
+from bench.verdict import FLOAT32_TOLERANCE, judge, unrewritten
 
+import cachelife
 from cachelife.tools import zoo
 
 
@@ -25,3 +26,18 @@ def test_a_float32_runs_logits_agree_up_to_float_noise_and_not_beyond() -> None:
     assert judged["tokens_agree_with_transformers"]
     off = judge(built.model, inputs, out.sequences, width, logits=logits * (1 + 100 * FLOAT32_TOLERANCE))
     assert not off["logits_agree_with_transformers"]
+
+
+def test_the_reference_runs_transformers_own_modules_and_leaves_the_run_s_model_enabled() -> None:
+    """An enabled model (fused projections by default) is judged on a copy with cachelife's rewrites undone;
+    the model itself keeps them."""
+    model = cachelife.enable(zoo.build("llama").model)
+    fused = {name for name, _ in model.named_buffers() if "cachelife_fused" in name}
+    plain = unrewritten(model)
+    assert fused
+    assert not cachelife.is_enabled(plain)
+    assert not any("cachelife_fused" in name for name, _ in plain.named_buffers())
+    assert all(parameter.untyped_storage().nbytes() == parameter.nbytes for parameter in plain.parameters())
+    assert cachelife.is_enabled(model)
+    assert fused == {name for name, _ in model.named_buffers() if "cachelife_fused" in name}
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in plain.state_dict().items())
