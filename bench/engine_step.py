@@ -4,19 +4,21 @@
                                 [--max-length 512] [--prompt 64] [--window 0.5]
                                 [--enable none,decode_attention/fuse_projections] [--out DIR]
 
-For each `--rows` value an `Engine(rows=N, max_length=--max-length)` gets N requests of `--prompt` tokens that
-each decode to the end of the cache (`min_new_tokens = max_new_tokens`), so that every row decodes through the
-measurement and nobody joins. Once every row decodes and 16 more steps ran, for `--window` seconds and at least
-4 steps: the scheduler's step calls (wall ms per step: the whole boundary, host work included), and under
-torch.profiler (device activity alone) the device's kernels, grouped by kind as bench/profile_step.py groups
-them (ms per step and kernels per step), and the device's idle time (the window's span less the union of its
-kernels' intervals, per step): how much of a step the device waits for the host, by the group of the kernel
-that ends each wait (`idle_ms_per_step_before`). Each measurement also gives
-the ratio of its wall ms per step to the first one's (the first options set's first rows value).
+For each `--rows` value an `Engine(rows=N, max_length=--max-length)` gets N requests of `--prompt` tokens that each
+decode to the end of the cache (`min_new_tokens = max_new_tokens`), so that every row decodes through the
+measurement and nobody joins. Once every row decodes and 16 more steps ran, for `--window` seconds and at least 4
+steps: the scheduler's step calls (wall ms per step: the whole boundary, host work included), and under
+torch.profiler (device activity alone) the device's kernels, grouped by kind as bench/profile_step.py groups them
+(ms per step and kernels per step) and the kernels that took the most time, and the device's idle time (the
+window's span less the union of its kernels' intervals, per step): how much of a step the device waits for the
+host, by the group of the kernel that ends each wait (`idle_ms_per_step_before`). Each measurement also gives the
+ratio of its wall ms per step to the first one's (the first options set's first rows value).
 Then the first two rows decode to their end and are judged against transformers (bench.verdict, tokens).
 `--enable` measures every rows value once per set of `cachelife.Options` levers (`/` between sets, `,` between
-the options of one set, `none` for none): the model is enabled with the set's options (each True), measured,
-and disabled again, so that every lever's wall time per step is measured beside the default in one process.
+the options of one set, `none` for none): the model is enabled with the set's options True and every other
+lever False (fused projections too, which `enable` turns on by default), measured, and disabled again; `none`
+leaves the model as it is, not enabled. So every lever's wall time per step is measured beside none in one
+process.
 Writes `<out>/engine-step-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -34,7 +36,7 @@ from torch.profiler import DeviceType, ProfilerActivity, profile
 from bench.padded import MODEL_NAMES, build_model
 from bench.profile_step import GROUPS, OTHER, group_of
 from bench.results_file import bench_parser, results_file
-from bench.timing import timeline
+from bench.timing import NAME_LENGTH, TOP_KERNELS, timeline
 from bench.verdict import judge
 from cachelife.integration.enabling import disable, enable
 from cachelife.integration.options import Options
@@ -163,7 +165,13 @@ def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[
     if profiler is None:
         return measured
     steps = max(profiled_after.steps - profiled_before.steps, 1)
-    kernels = device_kernels(profiler)
+    return {**measured, "steps_profiled": steps, **kernel_figures(device_kernels(profiler), steps)}
+
+
+def kernel_figures(kernels: list[tuple[str, int, int]], steps: int) -> dict[str, Any]:
+    """Per step, from the (name, start ns, end ns) of the kernels of `steps` steps: kernel, busy and idle time,
+    the idle time before each group's kernels, each group's kernels and time, and the `TOP_KERNELS` names that
+    took the most time."""
     names = [name for name, _ in GROUPS] + [OTHER]
     groups: dict[str, dict[str, float]] = {name: {"ms_per_step": 0.0, "kernels_per_step": 0.0} for name in names}
     for name, start, end in kernels:
@@ -171,9 +179,8 @@ def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[
         group["ms_per_step"] += (end - start) / 1e6 / steps
         group["kernels_per_step"] += 1 / steps
     seen = timeline((name, start / 1e6, end / 1e6) for name, start, end in kernels)
+    top = sorted(seen.by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     return {
-        **measured,
-        "steps_profiled": steps,
         "kernel_ms_per_step": round(seen.kernel_ms / steps, 4),
         "device_busy_ms_per_step": round(seen.busy_ms / steps, 4),
         "device_idle_ms_per_step": round((seen.span_ms - seen.busy_ms) / steps, 4),
@@ -182,6 +189,14 @@ def measure(model: Any, rows: int, attention: StepAttention, args: Any) -> dict[
         },
         "kernels_per_step": round(len(kernels) / steps, 1),
         "groups": {name: {key: round(value, 4) for key, value in group.items()} for name, group in groups.items()},
+        "top": [
+            {
+                "kernel": name[:NAME_LENGTH],
+                "kernels_per_step": round(count / steps, 2),
+                "ms_per_step": round(ms / steps, 4),
+            }
+            for name, (count, ms) in top
+        ],
     }
 
 

@@ -72,6 +72,21 @@ def test_a_step_names_the_kernels_and_groups_that_added_most_time() -> None:
     }
 
 
+def test_an_engine_step_names_the_kernels_that_took_most_time() -> None:
+    kernels = [  # two steps, in nanoseconds
+        ("ampere_bf16_gemv", 0, 3_000_000), ("flash_fwd_kernel", 3_000_000, 3_500_000),
+        ("ampere_bf16_gemv", 4_000_000, 5_000_000), ("flash_fwd_kernel", 5_000_000, 5_500_000),
+    ]  # fmt: skip
+    figures = engine_step.kernel_figures(kernels, 2)
+    assert figures["top"] == [
+        {"kernel": "ampere_bf16_gemv", "kernels_per_step": 1.0, "ms_per_step": 2.0},
+        {"kernel": "flash_fwd_kernel", "kernels_per_step": 1.0, "ms_per_step": 0.5},
+    ]
+    assert figures["kernel_ms_per_step"] == 2.5
+    assert figures["device_idle_ms_per_step"] == 0.25
+    assert figures["groups"]["matrix_products"] == {"ms_per_step": 2.0, "kernels_per_step": 1.0}
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive
 def test_a_cpu_run_writes_each_rows_wall_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
