@@ -6,12 +6,13 @@ Every generation test compares tokens with eager transformers generation using a
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from transformers import PreTrainedModel, T5ForConditionalGeneration
+from transformers import LlamaForCausalLM, PreTrainedModel, T5ForConditionalGeneration
 from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
 
 import cachelife
@@ -331,6 +332,29 @@ def test_mixin_enables_every_instance() -> None:
     recorder = FirstCallRecorder(decoder_of(model))
     assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS, cache_implementation="static"), expected)
     assert recorder.states == [["Pinned"] * 4]
+
+
+class LlamaWithLifecycle(cachelife.CacheLifecycleMixin, LlamaForCausalLM):
+    """A decoder-only model class shipped with cachelife: fused projections by default."""
+
+
+def test_a_mixin_model_from_pretrained_fuses_its_loaded_weights(tmp_path: Path) -> None:
+    """`from_pretrained` builds the model on the meta device, where `__init__`'s `enable` finds nothing to fuse;
+    the mixin applies the rewrites again to the loaded weights, and the tokens stay `generate`'s."""
+    built = zoo.build("llama")
+    inputs = built.inputs(2, 7, 1)
+    expected = zoo.generate_tokens(built.model, inputs, **SETTINGS)
+    built.model.save_pretrained(tmp_path)
+    # transformers 5.25 loads hub kernels by default, which needs the `kernels` package; the weights are asked here.
+    model = LlamaWithLifecycle.from_pretrained(tmp_path, use_kernels=False).eval()
+    assert cachelife.is_enabled(model)
+    fused = {buffer.untyped_storage().data_ptr() for name, buffer in model.named_buffers() if "cachelife_fused" in name}
+    attention = model.model.layers[0].self_attn
+    assert {attention.q_proj.weight.untyped_storage().data_ptr()} <= fused
+    assert torch.equal(zoo.generate_tokens(model, inputs, **SETTINGS), expected)
+    out = cachelife.generate(model, fallback=False, compile_step=False, **inputs, **SETTINGS)
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out, expected)
 
 
 def test_mixin_refuses_classes_that_are_no_model() -> None:

@@ -160,7 +160,9 @@ def is_enabled(model: object) -> bool:
 
 class CacheLifecycleMixin:
     """Mix into a transformers model class, before its `PreTrainedModel` base, to enable cachelife on every
-    instance (`enable(self)` at the end of `__init__`, so `from_pretrained` models are guarded too).
+    instance (`enable(self)` at the end of `__init__`, so `from_pretrained` models are guarded too; there
+    `__init__` runs before the weights are loaded, on the meta device, so `from_pretrained` applies the options'
+    rewrites again once they are: fused projections fuse the loaded weights).
 
     Override `cachelife_cache_shapes()` (the `DeclaresCacheShapes` extension point) when the model's cache
     shapes do not follow its config family's rule.
@@ -172,3 +174,12 @@ class CacheLifecycleMixin:
             msg = f"CacheLifecycleMixin must be mixed into a transformers PreTrainedModel, not {type(self).__name__}"
             raise UnsupportedCacheError(msg)
         enable(self)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `from_pretrained`, then the enabled model's rewrites applied again to the loaded weights."""
+        model = super().from_pretrained(*args, **kwargs)  # type: ignore[misc]  # the PreTrainedModel mixed into
+        guard = guard_of(model)
+        if guard is not None:
+            guard.reapply(model)
+        return model
