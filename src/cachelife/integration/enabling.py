@@ -46,10 +46,10 @@ def enable(
     prepared it, or built by hand): "pin" pins it there and logs a WARNING (the default), "raise" raises
     `UnpinnedCacheError`. `pool_bytes` is the budget of idle pinned buffers kept between `generate` calls so
     that the next call of the same shape decodes at the same addresses (no CUDA-graph re-recording); 0 turns
-    the pool off. `encoder_buckets`
-    (encoder-decoder models whose cross-attention honours the encoder mask, see `cachelife.integration.buckets`),
-    e.g. `(64, 128, 256, 512)`, pads every encoder output and its attention mask to the smallest bucket that
-    fits, so that a few cross-attention cache shapes serve every input length; None (the default) pads nothing.
+    the pool off. `encoder_buckets` (encoder-decoder models whose cross-attention honours the encoder mask, see
+    `cachelife.integration.buckets`), e.g. `(64, 128, 256, 512)`, pads every encoder output and its attention
+    mask to the smallest bucket that fits, so that a few cross-attention cache shapes serve every input length;
+    None (the default) pads nothing.
     `fuse_projections`, `decode_attention`, `small_linear` and `compile_regions` are deprecated: each sets the
     `Options` field of its name on `options`, with a `DeprecationWarning` naming the value to pass instead.
     Fails at once, before anything is patched, if an argument is invalid (`InvalidArgumentError`), the model is

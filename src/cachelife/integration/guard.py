@@ -129,16 +129,9 @@ class DecodingGuard:
         """Undo every rewrite and apply the options' rewrites again, so that they see the model's parameters as
         they are now (loaded after `enable`: `CacheLifecycleMixin`), and release the model's runtime."""
         options = self._options
-        runtime = runtime_of(model)
-        with runtime.lock:
-            try:
-                self.restore_all()
-                for rewrite in REWRITES:
-                    if rewrite.wanted(options):
-                        self._restores[rewrite.option] = rewrite.apply(model)
-                self._options = options
-            finally:
-                runtime.release()
+        with runtime_of(model).lock:
+            self.restore_all()
+            self.apply_options(model, options)
 
     def restore_all(self) -> None:
         """Undo every rewrite applied, newest first."""
