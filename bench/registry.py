@@ -154,6 +154,22 @@ _ENTRIES = (
         "cuda", "engine-step-whisper-large-v3-cuda-*.json",
     ),
     Benchmark(
+        "engine-step-llama-default", "bench.engine_step",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16", "--max-length", "512",
+         "--prompt", "64", "--window", "0.3", "--enable", "none/fuse_projections"),
+        "the engine-step-llama profile, 1 and 16 rows, the default attention: the model not enabled (no levers) "
+        "and enabled with fused projections alone (enable's default)",
+        "cuda", "engine-step-llama-3.2-1b-cuda-*-default-*.json",
+    ),
+    Benchmark(
+        "engine-step-whisper-default", "bench.engine_step",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--rows", "1,16",
+         "--max-length", "448", "--window", "0.3", "--enable", "none/fuse_projections"),
+        "the engine-step-llama-default comparison on the whisper-large-v3 shape (448 positions, 1500 encoder frames "
+        "per row)",
+        "cuda", "engine-step-whisper-large-v3-cuda-*-default-*.json",
+    ),
+    Benchmark(
         "engine-step-llama-levers", "bench.engine_step",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "16", "--max-length", "512",
          "--prompt", "64", "--window", "0.3",

@@ -29,3 +29,9 @@ def test_a_larger_object_is_a_section_of_its_own() -> None:
     cells, nested = records._split(path)
     assert list(nested) == ["timeline"]
     assert "timeline.a" not in cells
+
+
+def test_an_empty_list_shows_as_none_and_a_list_as_its_items() -> None:
+    # An engine step's `enable` is [] for the model without levers: a blank cell read as a missing column.
+    assert records.cell([]) == "none"
+    assert records.cell(["fuse_projections", "small_linear"]) == "fuse_projections, small_linear"

@@ -99,6 +99,8 @@ def cell(value: Any, *, keep_end: bool = False) -> str:  # noqa: PLR0911 - one r
                 return text
             return "…" + text[1 - LONGEST_TEXT :] if keep_end else text[: LONGEST_TEXT - 1] + "…"
         case list() | tuple():
+            if not value:
+                return "none"
             if len(value) > LONGEST_LIST:
                 return f"{len(value)} values"
             return ", ".join(cell(item) for item in value)
