@@ -291,7 +291,7 @@ def test_parameters_given_new_storage_are_fused_again_at_the_next_eager_call() -
     model, inputs = built.model, built.inputs(2, 7, 1)
     twin = copy.deepcopy(model)
     fuse_projections(model)
-    model.to(torch.float64)  # the parameters get storages of their own, the fused buffers are cast apart
+    model.to(torch.float64)  # converted and fused again at once (the next test)
     twin.to(torch.float64)
     torch.testing.assert_close(model(**inputs).logits, twin(**inputs).logits)
     assert_fused(model)
@@ -301,6 +301,29 @@ def test_parameters_given_new_storage_are_fused_again_at_the_next_eager_call() -
     torch.testing.assert_close(model(**inputs).logits, twin(**inputs).logits)
     assert_fused(model)
     assert {tensor.dtype for tensor in fused_buffers(model).values()} == {torch.float64}
+
+
+@torch.no_grad()
+def test_a_conversion_fuses_the_converted_parameters_at_once_without_a_second_copy() -> None:
+    """`model.to` converts each parent's parameters without the fused buffers and fuses them again: the model
+    holds its projections once, converted, before any call; a conversion that changes nothing keeps the buffers."""
+    built = build("llama")
+    model, inputs = built.model, built.inputs(2, 7, 1)
+    twin = copy.deepcopy(model)
+    fused = fuse_projections(model)
+    model.to(torch.float64)
+    twin.to(torch.float64)
+    assert_fused(model)
+    assert {tensor.dtype for tensor in fused_buffers(model).values()} == {torch.float64}
+    assert storage_bytes(model) == storage_bytes(twin)  # no projection held twice
+    kept = {name: tensor.data_ptr() for name, tensor in fused_buffers(model).items()}
+    model.to(torch.float64)
+    assert {name: tensor.data_ptr() for name, tensor in fused_buffers(model).items()} == kept
+    torch.testing.assert_close(model(**inputs).logits, twin(**inputs).logits)
+    fused.restore()
+    assert not fused_buffers(model)
+    assert not any("_apply" in vars(module) for module in model.modules())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True))
 
 
 def test_a_deep_copy_of_a_fused_model_is_fused_and_restored_on_its_own() -> None:

@@ -24,9 +24,12 @@ Memory, for a group of projections with o_i outputs each, k inputs, and element 
   parameter whose old storage is referenced elsewhere (a view of a larger tensor, a reference kept by the caller)
   keeps that storage alive as well.
 
-A parameter given another storage while fused (`model.to`, `load_state_dict(assign=True)`, a deep copy of the
-model) is noticed at its group's next eager call, which fuses the group again from the parameters as they are
-then; a compiled forward traced after a parameter was replaced computes that group's products separately.
+A conversion of the model (`model.to`, `.cuda()`, `.half()`: `nn.Module._apply`) converts each group's
+parameters and fuses them again at once, the group's parent module at a time: the fused buffers are not
+converted as copies of their own, so moving a fused model to a GPU holds no second copy of its projections there.
+A parameter given another storage otherwise (`load_state_dict(assign=True)`, a deep copy of the model) is
+noticed at its group's next eager call, which fuses the group again from the parameters as they are then; a
+compiled forward traced after a parameter was replaced computes that group's products separately.
 `save_pretrained` of a fused model writes the parameters as the unfused model's (the buffers are not persistent).
 """
 
@@ -129,6 +132,10 @@ class ProjectionGroup:
     def install(self) -> None:
         for index, member in enumerate(self.members):
             member.__dict__["forward"] = MemberForward(self, index)
+        conversion = self.parent.__dict__.get("_apply")
+        if not isinstance(conversion, FusedConversion):
+            conversion = self.parent.__dict__["_apply"] = FusedConversion(self.parent)
+        conversion.groups.append(self)
 
     def restore(self) -> None:
         """Give each parameter lying in the fused buffers a storage of its own, then remove the buffers and the
@@ -147,7 +154,34 @@ class ProjectionGroup:
             forward = member.__dict__.get("forward")
             if isinstance(forward, MemberForward) and forward.group is self:
                 del member.__dict__["forward"]
+        conversion = self.parent.__dict__.get("_apply")
+        if isinstance(conversion, FusedConversion) and self in conversion.groups:
+            conversion.groups.remove(self)
+            if not conversion.groups:
+                del self.parent.__dict__["_apply"]
         self._pending = None
+
+    def take_buffers(self) -> dict[str, torch.Tensor]:
+        """Remove the fused buffers from the parent and return them (name -> tensor)."""
+        taken = {}
+        for name in (self.weight_name, self.bias_name):
+            found = self.parent._buffers.get(name)
+            if isinstance(found, torch.Tensor):
+                del self.parent._buffers[name]
+                taken[name] = found
+        return taken
+
+    def after_conversion(self, taken: dict[str, torch.Tensor]) -> None:
+        """After the parent's conversion ran without the fused buffers (`taken`): where the parameters still lie
+        in them (a conversion that changed nothing), put them back; else fuse the converted parameters again,
+        or leave the group unfused (each member its own product) where they can no longer be fused."""
+        self.parent._buffers.update(taken)
+        if self._shares_storage():
+            return
+        for name in taken:
+            del self.parent._buffers[name]
+        if parameters_unfusable(self.names, self.members) is None:
+            self.share()
 
     def output(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Member `index`'s projection of `hidden`: its slice of the group's product of `hidden`."""
@@ -208,6 +242,25 @@ class MemberForward:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         return self.group.output(self.index, input)
+
+
+@define(eq=False)
+class FusedConversion:
+    """The `_apply` of a module holding fused groups (`nn.Module.to` and every other conversion call it): the
+    module's own conversion, run without the fused buffers, then each group fused again from its converted
+    parameters (see the module docstring)."""
+
+    parent: nn.Module
+    groups: list[ProjectionGroup] = field(factory=list)
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        taken = [group.take_buffers() for group in self.groups]
+        try:
+            type(self.parent)._apply(self.parent, fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        finally:
+            for group, buffers in zip(self.groups, taken, strict=True):
+                group.after_conversion(buffers)
+        return self.parent
 
 
 @define(eq=False)
@@ -291,10 +344,17 @@ def unfusable(path: str, parent: nn.Module, names: tuple[str, ...], members: tup
             return "already fused"
         if "forward" in member.__dict__ or member._forward_hooks or member._forward_pre_hooks:
             return f"{name} has a forward of its own or forward hooks"
+    return _parent_unfusable(parent, names) or parameters_unfusable(names, members)
+
+
+def _parent_unfusable(parent: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why `parent` cannot hold the fused group of `names`, or None if it can."""
     taken = [name for name in buffer_names(names) if hasattr(parent, name)]
     if taken:
         return f"the module has an attribute {taken[0]!r} already"
-    return parameters_unfusable(names, members)
+    if not isinstance(parent.__dict__.get("_apply", FusedConversion(parent)), FusedConversion):
+        return "the module has a conversion (_apply) of its own"
+    return None
 
 
 def parameters_unfusable(names: tuple[str, ...], members: tuple[nn.Linear, ...]) -> str | None:
