@@ -352,7 +352,8 @@ def _parent_unfusable(parent: nn.Module, names: tuple[str, ...]) -> str | None:
     taken = [name for name in buffer_names(names) if hasattr(parent, name)]
     if taken:
         return f"the module has an attribute {taken[0]!r} already"
-    if not isinstance(parent.__dict__.get("_apply", FusedConversion(parent)), FusedConversion):
+    conversion = parent.__dict__.get("_apply")
+    if conversion is not None and not isinstance(conversion, FusedConversion):
         return "the module has a conversion (_apply) of its own"
     return None
 
