@@ -38,7 +38,10 @@ in whichever client count runs first. Per path: wall seconds, new tokens per sec
 to result: p50, p99, max), a lone request's latency (`sequential`'s first), for the engine the steps, joins and
 prefill forwards of that run and the scheduler's seconds spent admitting newcomers and running steps, with `--ttft`
 each path's time to first token (submit to the streamer's first new token: every timed request gets a streamer; not
-with beams, which transformers does not stream), with `--num-beams` every request a beam search (a group of that
+with beams, which transformers does not stream), with `--device-profile` one more run per engine at the first
+`--clients` value under torch.profiler (`engine_cN_profiled`: the device's busy share of the run's wall time, its
+kernels per step, and the kernel time launched from CUDA graphs apart from the kernels launched one by one),
+with `--num-beams` every request a beam search (a group of that
 many rows in the engine), whether each engine run gave every request the tokens of its warm-up (identical
 submissions, identical tokens), for a decoder-only model the verdict against transformers on the first `--verdicts`
 requests' warm-up tokens (bench.verdict), and how many requests' tokens equal `sequential`'s (in bf16 a batch's
@@ -60,10 +63,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, Final, cast
 
 import torch
+from torch.profiler import DeviceType, ProfilerActivity, profile
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 import cachelife
+from bench.engine_step import kernel_figures
 from bench.generate import auto_compile
 from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
@@ -295,6 +300,37 @@ def engine_runs(
                      "scheduler_prefill_s": round(after.prefill_seconds - before.prefill_seconds, 4),
                      "scheduler_step_s": round(after.step_seconds - before.step_seconds, 4),
                      "scheduler_collect_s": round(after.collect_seconds - before.collect_seconds, 4)})  # fmt: skip
+        if args.device_profile and model.device.type == "cuda":
+            clients = int(args.clients.split(",")[0])
+            out.add({**device_profile(engine, requests, clients, model.device), "label": label})
+
+
+def device_profile(engine: cachelife.Engine, requests: list[Request], clients: int, device: torch.device) -> Request:
+    """One more run of every request from `clients` client threads under torch.profiler (device activity and
+    the CUDA runtime's calls, no host operators): per step of the run, its kernels as `bench.engine_step`
+    figures them, the share of the run's wall time the device was busy, and the kernel time launched from
+    CUDA graphs (the steps and row writes) apart from the kernels launched one by one (prefills, joins)."""
+    before = engine.stats()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        wall, _, _, _ = with_engine(engine, requests, clients, device=device)
+    steps = max(engine.stats().steps - before.steps, 1)
+    events = list(profiler.profiler.kineto_results.events())
+    graphed = {event.correlation_id() for event in events if event.name() == "cudaGraphLaunch"}
+    kernels, from_graphs = [], 0.0
+    for event in events:
+        if event.device_type() == DeviceType.CUDA and event.duration_ns() > 0:
+            start = event.start_ns()
+            kernels.append((event.name(), start, start + event.duration_ns()))
+            from_graphs += event.duration_ns() / 1e6 if event.correlation_id() in graphed else 0.0
+    figures = kernel_figures(kernels, steps)
+    busy_ms = figures["device_busy_ms_per_step"] * steps
+    return {
+        "path": f"engine_c{clients}_profiled", "wall_s": round(wall, 4), "steps": steps,
+        "device_busy_share": round(busy_ms / (1000 * wall), 4),
+        "graph_launches_seen": len(graphed),
+        "kernel_ms_from_graphs": round(from_graphs, 2) if graphed else None,
+        "kernel_ms": round(figures["kernel_ms_per_step"] * steps, 2), **figures,
+    }  # fmt: skip
 
 
 def judged(model: PreTrainedModel, requests: list[Request], outputs: list[torch.Tensor], count: int) -> Request:
@@ -342,7 +378,8 @@ def file_stem(args: Any) -> str:
     return stem + (f"-switch{1000 * args.switch_interval:g}ms" if args.switch_interval is not None else "")
 
 
-def main() -> int:
+def engine_parser() -> Any:
+    """The benchmark's command line (see the module docstring)."""
     parser = bench_parser(__doc__)
     parser.add_argument("--model", default="whisper-large-v3", choices=sorted({*MODEL_NAMES, *zoo.MODEL_NAMES}))
     parser.add_argument("--dtype", default="bfloat16")
@@ -363,10 +400,20 @@ def main() -> int:
         "--profile-scheduler", default="", help="write cProfile statistics of the engine's scheduler thread here"
     )
     parser.add_argument(
+        "--device-profile",
+        action="store_true",
+        help="after each engine's timed runs, one more at the first --clients value under torch.profiler",
+    )
+    parser.add_argument(
         "--switch-interval", type=float, default=None,
         help="sys.setswitchinterval(seconds) for the whole run: how long a thread holds Python's lock before "
         "another that waits for it may take it (the scheduler thread waits behind the requests' threads)",
     )  # fmt: skip
+    return parser
+
+
+def main() -> int:
+    parser = engine_parser()
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
