@@ -18,6 +18,9 @@ random features) are served, per path:
 - `engine_eager_prefill`: `engine` with every newcomer prefilled by transformers' eager prefill (a
   decoder-only model's engine compiles its prefill otherwise); the engine paths run in the order given, and
   one named twice runs again (`<path>_again_cN`), for a machine whose speed drifts;
+- `engine_prefill_without_graphs` (decoder-only): `engine` with newcomers prefilled by the compiled forward at
+  their own prompt length, without graphs (their prefill is replayed from a graph of their group size and prompt
+  bucket otherwise: `cachelife.serving.joint_prefill`);
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
 - `engine_encoders_alone` (encoder-decoder): `engine` with every newcomer's encoder run alone in its request's
@@ -75,6 +78,7 @@ from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, milliseconds, synchronize
 from bench.verdict import judge_requests
 from cachelife.serving import engine as engine_module
+from cachelife.serving import joint_prefill
 from cachelife.serving.engine import Engine
 from cachelife.serving.joint_prefill import JointPrefill
 from cachelife.serving.prefill import Prefill
@@ -236,6 +240,25 @@ def one_prefill_each() -> Iterator[None]:
         yield
     finally:
         JointPrefill.takes = takes  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def prefills_without_graphs() -> Iterator[None]:
+    """Engines made within prefill a decoder-only model's newcomers with the compiled forward at their own
+    prompt length, no graphs (what the engine did before its prefill graphs of prompt buckets): a benchmark's
+    instrument, for the side-by-side comparison."""
+    made = Prefill.__init__
+
+    def without_graphs(self: Prefill, *arguments: Any, **options: Any) -> None:
+        made(self, *arguments, **options)
+        self.captures_joint = False
+
+    Prefill.__init__ = without_graphs  # type: ignore[method-assign]  # a benchmark's instrument
+    try:
+        with unittest.mock.patch.object(joint_prefill, "bucket", lambda longest, width: longest):
+            yield
+    finally:
+        Prefill.__init__ = made  # type: ignore[method-assign]
 
 
 def encoders_alone() -> contextlib.AbstractContextManager[Any]:
@@ -449,7 +472,8 @@ def main() -> int:
         out.add({**summary("sequential", wall, latencies, new, firsts), "lone_ms": round(1000 * latencies[0], 2)})
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
         instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
-                      "engine_one_prefill": one_prefill_each, "engine_encoders_alone": encoders_alone}  # fmt: skip
+                      "engine_one_prefill": one_prefill_each, "engine_encoders_alone": encoders_alone,
+                      "engine_prefill_without_graphs": prefills_without_graphs}  # fmt: skip
         if path in (*ATTENTIONS, *instrument):
             label = path if path not in paths[:index] else f"{path}_again"
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)

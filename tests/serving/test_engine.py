@@ -174,6 +174,51 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("together", [False, True])
+def test_decoder_only_prefills_replay_one_graph_per_group_size_and_prompt_bucket(
+    llama: zoo.ZooModel, together: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under (stand-in) graphs a decoder-only model's newcomers, alone or several at one boundary, are prefilled
+    # from a graph of their group size and prompt bucket (prompts padded to a power of two), never by the
+    # compiled forward without graphs or by transformers' eager prefill; each request still equals its own
+    # generate, so the replays read each group's own prompts and write each newcomer's own row.
+    lengths = (3, 5, 8, 6, 11, 16, 9, 20)  # buckets 8, 8, 8, 8, 16, 16, 16, 32
+    requests = [{**llama.inputs(1, length, index), "max_new_tokens": 3 + index % 4}
+                for index, length in enumerate(lengths)]  # fmt: skip
+    expected = [alone(llama.model, **request) for request in requests]
+    captured: list[object] = []
+
+    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
+        warm_up()
+        captured.append(calls)
+        return _Replayed(calls)
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a newcomer was prefilled without a graph")
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
+    monkeypatch.setattr(type(llama.model), "_prefill", refused)
+    monkeypatch.setattr(prefill_module.Prefill, "_compiled_forward", refused)
+    with Engine(llama.model, rows=4, max_length=40) as engine:
+        if together:  # pairs at one boundary each: groups of two, of one bucket each
+            results = []
+            for first in range(0, len(requests), 2):
+                pair = engine._gate.at_once(lambda f=first: [engine.submit(**r) for r in requests[f : f + 2]])
+                results += [future.result(timeout=120) for future in pair]
+        else:
+            results = [engine.submit(**request).result(timeout=120) for request in requests]
+        prefills = engine.stats().prefills
+    # The step's graph and the row writes of the one-row (two-row) scratch; alone: a prefill graph per bucket (8,
+    # 16, 32) and, where a prompt fills its bucket (8, 16), one without a mask (transformers passes none); in
+    # pairs: the buckets of (3, 5), (8, 6), (11, 16), (9, 20), every pair padded.
+    assert len(captured) == (7 if not together else 5)
+    assert prefills == (len(requests) if not together else len(requests) // 2)
+    for index, (want, got) in enumerate(zip(expected, results, strict=True)):
+        assert torch.equal(got, want), index
+
+
 def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel) -> None:
     sampling = {"do_sample": True, "top_k": 0, "temperature": 0.8}
     requests = [{**request, **sampling} for request in requests_of(llama, 4)]
@@ -356,7 +401,9 @@ def test_a_failing_request_fails_alone(llama: zoo.ZooModel, monkeypatch: pytest.
     joint = prefill_module.Prefill.joint
 
     def joint_failing_with_the_bad_one(self: Any, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
-        if input_ids.shape[1] == 13:  # the bad prompt is the longest of a joint prefill: it fails, each goes alone
+        # The bad prompt (padded to its bucket with copies of its first token) in a prefill, alone or with others:
+        # it fails, and each newcomer goes alone.
+        if bool(((input_ids == 7).sum(dim=1) >= 13).any()):
             raise IndexError("index out of range in self")
         return joint(self, input_ids, *args)
 

@@ -299,8 +299,8 @@ def test_a_replica_warms_its_engine_up_before_it_takes_traffic() -> None:
     cold = ray_serve.Replica(llama, "llama", options, warm_up=False)
     audio = ray_serve.Replica(whisper, "whisper", options)
     try:
-        # A greedy and a sampled completion, each alone at two prompt lengths and in four groups of two.
-        assert (warmed._engine.stats().joins, cold._engine.stats().joins) == (2 * (2 + 4 * 2), 0)
+        # A greedy and a sampled completion, each alone at two prompt lengths and in three groups of two.
+        assert (warmed._engine.stats().joins, cold._engine.stats().joins) == (2 * (2 + 3 * 2), 0)
         assert audio._engine.stats().joins == 1  # a transcription of silence (Whisper's encoder length is fixed)
     finally:
         for replica in (warmed, cold, audio):

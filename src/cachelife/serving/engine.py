@@ -376,12 +376,14 @@ class Engine:
                 return
 
     def _join_all(self, chosen: list[tuple[Joining, Admission]]) -> bool:
-        """Join each as planned, neighbours that a joint prefill takes prefilled together; False at the first
+        """Join each as planned, neighbours that the joint prefill takes prefilled together (one it takes alone as
+        a group of one); False at the first
         join that failed, the ones after it back in the queue."""
         joined = 0
         try:
             for group in joint_groups([joining for joining, _ in chosen], self._batch.joint):
-                prefilled = self._batch.prefill_jointly(group) if len(group) > 1 else None
+                joint = self._batch.joint.takes(group[0])
+                prefilled = self._batch.prefill_jointly(group) if joint else None
                 owns: list[Prefilled | None] = [*prefilled] if prefilled else [None] * len(group)
                 for own in owns:
                     joining, admission = chosen[joined]

@@ -1,19 +1,22 @@
-"""Several newcomers' prompts through one forward: the engine's joint prefill for decoder-only models.
+"""Newcomers' prompts through one forward: the engine's prefill for decoder-only models.
 
 At a step boundary where several requests join, one forward over their prompts costs the host what one
-prompt's forward costs. The prompts are left-padded to the longest, with an attention mask that leaves the pads
-out and position ids that count from each prompt's first token (as `generate` counts them for a left-padded
-batch), into a pinned scratch cache of that many rows: one per group size, powers of two up to `MOST_ROWS`; a
-group of another size is padded with copies of its last prompt. Each newcomer's row of that scratch is then
-copied into its row of the batch as a one-row prefill would be (`row_writes`), its own first token at its
-prompt's first slot: the extra pads land on slots its mask leaves out. A request's own left padding stays its
-own (in its tokens and under its mask), as it does in a one-row prefill.
+prompt's forward costs. The prompts are left-padded to a prompt bucket (`bucket`: the longest prompt's length
+rounded up to a power of two, at most the cache's width), with an attention mask that leaves the pads out and
+position ids that count from each prompt's first token (as `generate` counts them for a left-padded batch),
+into a pinned scratch cache of that many rows: one per group size, powers of two from 1 up to `MOST_ROWS`; a
+group of another size is padded with copies of its last prompt. A newcomer that joins alone takes this prefill
+too, as a group of one. With cachelife's CUDA graphs the forward of each group size and bucket is captured
+once and replayed (`Prefill.joint`): a handful of shapes serve every prompt length. Each newcomer's row of the
+scratch is then copied into its row of the batch as a one-row prefill would be (`row_writes`), its own first
+token at its prompt's first slot: the extra pads land on slots its mask leaves out. A request's own left
+padding stays its own (in its tokens and under its mask), as it does in a one-row prefill.
 
 Requests that take part: one sequence (no beams), token ids (no embeddings), and no prepared inputs beyond the
 mask, the position ids, `logits_to_keep`, `use_cache` and the cache, on a decoder-only model whose steps the
-engine compiles or runs eagerly. The forward is the engine prefill's: compiled where the one-row prefill is
-(dynamo makes the batch and prompt sizes dynamic from their second values), transformers' modules run eagerly
-otherwise.
+engine compiles or runs eagerly. The forward is the engine prefill's: captured or compiled where the one-row
+prefill is (dynamo makes the batch and prompt sizes dynamic from their second values), transformers' modules
+run eagerly otherwise.
 """
 
 from __future__ import annotations
@@ -38,13 +41,16 @@ logger = logging.getLogger(__name__)
 MOST_ROWS: Final = 8
 """The largest group one forward prefills; more newcomers at one boundary take several forwards."""
 
+SHORTEST_BUCKET: Final = 8
+"""The shortest prompt bucket: shorter prompts are padded to it."""
+
 # The prepared inputs a joint prefill builds for the group itself (any other sends the request alone).
 _JOINT_INPUTS: Final = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache"})
 
 
 def group_sizes(rows: int) -> tuple[int, ...]:
-    """The scratch caches' batch sizes for an engine of `rows` rows: 2, 4, ... up to `MOST_ROWS` and `rows`."""
-    sizes, size = [], 2
+    """The scratch caches' batch sizes for an engine of `rows` rows: 1, 2, 4, ... up to `MOST_ROWS` and `rows`."""
+    sizes, size = [], 1
     while size <= min(rows, MOST_ROWS):
         sizes.append(size)
         size *= 2
@@ -62,6 +68,12 @@ def joint_groups(joinings: Sequence[Joining], joint: JointPrefill) -> list[list[
         else:
             groups.append([joining])
     return groups
+
+
+def bucket(longest: int, width: int) -> int:
+    """The length prompts of at most `longest` tokens are padded to: the next power of two from
+    `SHORTEST_BUCKET` on, at most `width` (the scratch cache's)."""
+    return min(max(SHORTEST_BUCKET, 1 << (longest - 1).bit_length()), width)
 
 
 @frozen(kw_only=True)
@@ -84,7 +96,7 @@ class JointPrefill:
     ) -> None:  # fmt: skip
         """A pinned scratch cache of `width` slots, with its row writes into `cache`, for each of `sizes` (none:
         every newcomer is prefilled alone)."""
-        self.model, self.prefill, self.cache_name = model, prefill, cache_name
+        self.model, self.prefill, self.cache_name, self.width = model, prefill, cache_name, width
         self.scratches: dict[int, tuple[object, RowWrites]] = {}
         for size in sizes:
             scratch = prepare_static_cache(model, batch_size=size, max_cache_len=width)
@@ -117,10 +129,10 @@ class JointPrefill:
             return None
 
     def __call__(self, joinings: Sequence[Joining]) -> list[Prefilled]:
-        """One forward over the newcomers' prompts (2 to `most` of them, each `takes`); each one's prefill."""
+        """One forward over the newcomers' prompts (1 to `most` of them, each `takes`); each one's prefill."""
         size = min(size for size in self.scratches if size >= len(joinings))
         scratch, writes = self.scratches[size]
-        longest = max(joining.prompt for joining in joinings)
+        longest = bucket(max(joining.prompt for joining in joinings), self.width)
         members = [*joinings, *[joinings[-1]] * (size - len(joinings))]
         ids, mask, positions = zip(*(_padded(joining, longest) for joining in members), strict=True)
         kwargs: dict[str, Any] = {

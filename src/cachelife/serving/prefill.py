@@ -30,8 +30,9 @@ from cachelife.integration.runtime import FIRST_CALLS
 
 logger = logging.getLogger(__name__)
 
-MAX_SHAPES: Final = 8
-"""Decoder prompt shapes with a graph of their own; a request of another shape is prefilled eagerly."""
+MAX_SHAPES: Final = 32
+"""Prefill input shapes with a graph of their own (an encoder-decoder model's decoder prompts; a decoder-only
+model's group sizes and prompt buckets); a prefill of another shape runs compiled (decoder-only) or eagerly."""
 
 
 def prefill_forward(model: PreTrainedModel, *, inputs: dict[str, Any], logits: torch.Tensor) -> None:
@@ -47,8 +48,10 @@ class Prefill:
     def __init__(self, model: PreTrainedModel, scratch: object, settings: LoopSettings, vocab: int) -> None:
         # One forward per graph, whatever the engine's steps per call.
         self.model, self.scratch, self.settings = model, scratch, attrs.evolve(settings, steps_per_call=1)
-        self.captures = bool(model.config.is_encoder_decoder) and uses_own_graphs(settings, model.device)
+        own_graphs = uses_own_graphs(settings, model.device)
+        self.captures = bool(model.config.is_encoder_decoder) and own_graphs
         self.compiles = not model.config.is_encoder_decoder and settings.compile_step
+        self.captures_joint = self.compiles and own_graphs  # decoder-only prefills of prompt buckets (`joint`)
         self.ran: set[Callable[..., None]] = set()  # compiled forwards that have run (compiled) once
         self.logits = torch.zeros(1, vocab, dtype=torch.float32, device=model.device)
         torch._dynamo.mark_static_address(self.logits)
@@ -67,11 +70,11 @@ class Prefill:
             inputs = self.model.prepare_inputs_for_generation(
                 input_ids, next_sequence_length=None, is_first_iteration=True, **kwargs
             )
-            key = self._shape_key(inputs)
+            key = self._shape_key(inputs, self.scratch)
             if key is not None:
                 found = self.shapes.get(key)
                 if found is None and len(self.shapes) < MAX_SHAPES:
-                    found = self.shapes[key] = self._graphed(inputs)
+                    found = self.shapes[key] = self._graphed(inputs, self.scratch, self.logits)
                 if found is not None:
                     twins, advance = found
                     _copy_into(twins, inputs)
@@ -104,11 +107,42 @@ class Prefill:
         inputs = self.model.prepare_inputs_for_generation(
             input_ids, next_sequence_length=None, is_first_iteration=True, **kwargs
         )
+        if self.captures_joint and self._replayed(inputs, scratch, logits):
+            return logits
         if self.compiles and self._compiled_forward(inputs, logits):
             return logits
         lifecycle(scratch).reset()  # a failed compilation may have written part of it
         prefill_forward(model=self.model, inputs=inputs, logits=logits)
         return logits
+
+    def _replayed(self, inputs: dict[str, Any], scratch: object, logits: torch.Tensor) -> bool:
+        """Run the forward on `inputs` from the graph of their shape (captured now if new and `MAX_SHAPES` graphs
+        are not yet taken); False if there is none. A capture that fails is logged once, and later prefills
+        run compiled without graphs."""
+        key = self._shape_key(inputs, scratch)
+        found = None if key is None else self.shapes.get(key)
+        if found is None:
+            if key is None or len(self.shapes) >= MAX_SHAPES:
+                return False
+            try:
+                found = self.shapes[key] = self._graphed(inputs, scratch, logits)
+                twins, advance = found
+                _copy_into(twins, inputs)
+                advance()  # the first call runs the warm-up and captures
+            except Exception:
+                logger.warning(
+                    "cachelife.Engine: a prefill graph of %s failed to capture; newcomers are prefilled without "
+                    "graphs from now on", type(self.model).__name__, exc_info=True,
+                )  # fmt: skip
+                self.shapes.pop(key, None)
+                self.captures_joint = False
+                lifecycle(scratch).reset()
+                return False
+            return True
+        twins, advance = found
+        _copy_into(twins, inputs)
+        advance()
+        return True
 
     def _compiled_forward(self, inputs: dict[str, Any], logits: torch.Tensor | None = None) -> bool:
         """Run the compiled forward on `inputs` into `logits` (the one-row prefill's unless given); False (once,
@@ -134,32 +168,37 @@ class Prefill:
         self.ran.add(forward)
         return True
 
-    def _shape_key(self, inputs: dict[str, Any]) -> tuple[object, ...] | None:
-        """What a graph of the forward on `inputs` depends on, or None for inputs without static twins."""
+    def _shape_key(self, inputs: dict[str, Any], scratch: object) -> tuple[object, ...] | None:
+        """What a graph of the forward on `inputs` and `scratch` depends on, or None for inputs without static
+        twins."""
         key: list[object] = []
         for name, value in sorted(inputs.items()):
             if isinstance(value, torch.Tensor):
                 key.append((name, value.shape, value.dtype))
             elif isinstance(value, BaseModelOutput) and (hidden := _only_hidden(value)) is not None:
                 key.append((name, "encoder output", hidden.shape, hidden.dtype))
-            elif value is self.scratch:
-                key.append((name, "scratch cache"))
+            elif value is scratch:
+                key.append((name, "scratch cache", id(scratch)))
             elif value is None or isinstance(value, bool | int | str):
                 key.append((name, value))
             else:
                 return None
         return tuple(key)
 
-    def _graphed(self, inputs: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], int]]:
+    def _graphed(
+        self, inputs: dict[str, Any], scratch: object, logits: torch.Tensor
+    ) -> tuple[dict[str, Any], Callable[[], int]]:
+        """Static twins of `inputs`, and the function that runs the forward on them into `logits` (captured at
+        its first call, replayed after)."""
         twins = {name: _twin(value) for name, value in inputs.items()}
 
         def arguments(index: int, steps: int, settings: object) -> dict[str, Any]:
-            return {"model": self.model, "inputs": twins, "logits": self.logits}
+            return {"model": self.model, "inputs": twins, "logits": logits}
 
         advance = stepper(
             self.model, "engine prefill", prefill_forward, arguments,
-            in_place=(self.model, self.scratch, twins, self.logits), read_only=(), settings=self.settings,
-            rewind=lambda: lifecycle(self.scratch).reset(), fixed_buffers=True,
+            in_place=(self.model, scratch, twins, logits), read_only=(), settings=self.settings,
+            rewind=lambda: lifecycle(scratch).reset(), fixed_buffers=True,
         )  # fmt: skip
         return twins, advance
 

@@ -2,14 +2,14 @@
 
 The engine compiles its programs and prefill forwards when a request first needs them: the step of a request's
 kind (greedy, sampling), the prefill at a first and at a second prompt length (dynamo makes the length dynamic
-from its second value), and, for a decoder-only model, the prefill newcomers share, once for prompts of one
-length and once for prompts of other lengths (the shorter left-padded: transformers then passes a mask), each
-at a first and a second group size and prompt length. A request that arrives then waits for the compilation,
+from its second value), and, for a decoder-only model, the prefill newcomers share (`joint_prefill`), at every
+group size and prompt bucket (on CUDA a graph each). A request that arrives then waits for the compilation,
 seconds to tens of seconds. `warm_up` sends copies of an example request the way traffic reaches each of those:
-alone at its own prompt length and at half of it, then, for every group size of the shared prefill, groups of
-that many copies (of one length, and of the full and the half length) admitted at one step boundary (the
-`AdmissionGate` holds admission until all of them are prepared), the smallest size at half and a quarter of the
-length too. Each copy decodes 2 new tokens; their results are dropped."""
+alone at its own prompt length and at half of it, then, for every group size of the shared prefill from two
+rows on, groups of that many copies admitted at one step boundary (the `AdmissionGate` holds admission until all
+of them are prepared): at the full length, at the full and the half length (the shorter left-padded: one
+bucket), and at the half length (the half length's bucket). Each copy decodes 2 new tokens; their results are
+dropped. Prompt buckets the example does not reach are compiled or captured when a request first needs them."""
 
 from __future__ import annotations
 
@@ -59,17 +59,13 @@ def warm_up(
     length = int(prompt.shape[1]) if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 1
     full = _cut(example, None)
     half = _cut(example, length // 2) if length >= 2 else None
-    quarter = _cut(example, length // 4) if length >= 4 else None
-    for copy in (full, half):
+    for copy in (full, half):  # alone: a group of one, where the shared prefill takes the request
         if copy is not None:
             submit(**copy).result()
-    for index, size in enumerate(group_sizes):
-        groups = [[full] * size]  # prompts of one length: no padding
-        if half is not None:  # prompts of other lengths: the shorter left-padded, under a mask
-            groups.append([full, *[half] * (size - 1)])
-        if index == 0:  # the smallest group at a second length too
-            groups += [[half] * size] if half is not None else []
-            groups += [[half, *[quarter] * (size - 1)]] if half is not None and quarter is not None else []
+    for size in (size for size in group_sizes if size > 1):
+        groups = [[full] * size]
+        if half is not None:  # prompts of other lengths (the shorter left-padded), and the half's bucket
+            groups += [[full, *[half] * (size - 1)], [half] * size]
         for group in groups:
             for future in gate.at_once(functools.partial(_submitted, submit, group)):
                 future.result()
