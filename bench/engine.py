@@ -21,6 +21,8 @@ random features) are served, per path:
 - `engine_prefill_without_graphs` (decoder-only): `engine` with newcomers prefilled by the compiled forward at
   their own prompt length, without graphs (their prefill is replayed from a graph of their group size and prompt
   bucket otherwise: `cachelife.serving.joint_prefill`);
+- `engine_read_lag_1`: `engine` with the rows' state read one call late (`cachelife.serving.snapshots` reads it
+  two calls late otherwise, two calls queued on the device);
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
 - `engine_encoders_alone` (encoder-decoder): `engine` with every newcomer's encoder run alone in its request's
@@ -77,8 +79,10 @@ from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, milliseconds, synchronize
 from bench.verdict import judge_requests
+from cachelife.serving import batch as batch_module
 from cachelife.serving import engine as engine_module
 from cachelife.serving import joint_prefill
+from cachelife.serving import snapshots as snapshots_module
 from cachelife.serving.engine import Engine
 from cachelife.serving.joint_prefill import JointPrefill
 from cachelife.serving.prefill import Prefill
@@ -259,6 +263,17 @@ def prefills_without_graphs() -> Iterator[None]:
             yield
     finally:
         Prefill.__init__ = made  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def read_one_call_late() -> Iterator[None]:
+    """Engines made within read the rows' state one call late, one call queued on the device (what the engine
+    did before it read two calls late): a benchmark's instrument, for the side-by-side comparison."""
+    with (
+        unittest.mock.patch.object(batch_module, "READ_LAG", 1),
+        unittest.mock.patch.object(snapshots_module, "READ_LAG", 1),
+    ):
+        yield
 
 
 def encoders_alone() -> contextlib.AbstractContextManager[Any]:
@@ -473,7 +488,8 @@ def main() -> int:
     for index, path in enumerate(paths):  # in the order given; a path named again runs again, as `<path>_again`
         instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
                       "engine_one_prefill": one_prefill_each, "engine_encoders_alone": encoders_alone,
-                      "engine_prefill_without_graphs": prefills_without_graphs}  # fmt: skip
+                      "engine_prefill_without_graphs": prefills_without_graphs,
+                      "engine_read_lag_1": read_one_call_late}  # fmt: skip
         if path in (*ATTENTIONS, *instrument):
             label = path if path not in paths[:index] else f"{path}_again"
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)

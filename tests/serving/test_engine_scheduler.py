@@ -265,11 +265,11 @@ def test_host_side_stops_with_beam_search_are_refused_at_submit_by_name(llama: z
         assert engine.stats().held == 0
 
 
-def test_the_host_reads_each_call_s_rows_after_it_launched_the_next(
+def test_the_host_reads_each_call_s_rows_after_it_launched_the_next_two(
     llama: zoo.ZooModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The device never waits for the host: at each boundary the rows' state of the call before the last is
-    read, and the tokens handed over still equal each request's own generate."""
+    """The device never waits for the host: at each boundary the rows' state of the call two calls before the
+    last is read (two calls stay queued), and the tokens handed over still equal each request's own generate."""
     reads: list[tuple[int, int]] = []
     with Engine(llama.model, rows=2, max_length=64, compile_step=False) as engine:
         batch = engine._batch
@@ -285,14 +285,14 @@ def test_the_host_reads_each_call_s_rows_after_it_launched_the_next(
         pairs = zip(requests, streamers, strict=True)
         got = [future.result(timeout=60) for future in [engine.submit(**r, streamer=s) for r, s in pairs]]
     assert reads
-    assert all(taken == calls - 1 for taken, calls in reads)
+    assert all(taken == calls - 2 for taken, calls in reads)
     for request, tokens, streamer in zip(requests, got, streamers, strict=True):
         assert torch.equal(tokens, alone(llama.model, **request))
         streamed = torch.cat([value.reshape(-1) for value in streamer.values[1:]])
         assert torch.equal(streamed, tokens[0, request["input_ids"].shape[1] :])
 
 
-def test_snapshots_take_turns_between_two_sets_of_buffers() -> None:
+def test_snapshots_take_turns_between_three_sets_of_buffers() -> None:
     rows = Rows.allocate(2, 6, 8, torch.device("cpu"))
     snapshots = Snapshots.allocate(rows)
     rows.length.copy_(torch.tensor([3, 4]))
@@ -300,15 +300,17 @@ def test_snapshots_take_turns_between_two_sets_of_buffers() -> None:
     rows.length.copy_(torch.tensor([5, 6]))
     rows.tokens[1, 4] = 9
     second = snapshots.take(rows, taken=2, tokens=False)
-    assert first.length.tolist() == [3, 4]
-    assert second.length.tolist() == [5, 6]
+    rows.length.copy_(torch.tensor([7, 8]))
+    third = snapshots.take(rows, taken=3, tokens=False)
+    # Two calls after the first, its copy is still whole: the host reads it then.
+    assert (first.length.tolist(), second.length.tolist(), third.length.tolist()) == ([3, 4], [5, 6], [7, 8])
     assert first.tokens is not None
     assert int(first.tokens[1, 4]) == 0
     assert second.tokens is None
-    third = snapshots.take(rows, taken=3, tokens=True)
-    assert third.length.data_ptr() == first.length.data_ptr()
-    assert third.tokens is not None
-    assert int(third.tokens[1, 4]) == 9
+    fourth = snapshots.take(rows, taken=4, tokens=True)
+    assert fourth.length.data_ptr() == first.length.data_ptr()
+    assert fourth.tokens is not None
+    assert int(fourth.tokens[1, 4]) == 9
 
 
 def test_rows_that_fill_the_engine_to_its_max_length_leave_room_for_the_call_the_host_runs_late(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from cachelife.serving.rows import (
     row_values,
 )
 from cachelife.serving.slots import Decoding, Finished, Free, Prefilling, Slot
-from cachelife.serving.snapshots import Snapshot, Snapshots
+from cachelife.serving.snapshots import READ_LAG, Snapshot, Snapshots
 from cachelife.serving.window import Occupant, Placement
 
 
@@ -81,8 +82,8 @@ class Batch:
         self.model, self.settings, self.max_length = model, settings, max_length
         self.row_positions = row_positions
         self.names = step_names(model, None if row_positions is None else row_positions.positions)
-        # Past a row's last feed: its last call's slots, and one more call before the host reads that it ended.
-        self.reserve = 2 * settings.steps_per_call
+        # Past a row's last feed: its last call's slots, and the calls before the host reads that it ended.
+        self.reserve = (1 + READ_LAG) * settings.steps_per_call
         self.width = max_length + self.reserve
         check_positions(model, max_length)
         refuse_sliding_windows(model, self.width)
@@ -122,8 +123,8 @@ class Batch:
         self.steps = 0
         self.calls = 0  # calls of the step so far
         self.snapshots = Snapshots.allocate(self.rows)
-        self.latest: Snapshot | None = None  # the rows' state after the last call
-        self.earlier: Snapshot | None = None  # and after the call before, which `collect` reads
+        # The rows' state after each of the last calls, oldest first; `collect` reads the one `READ_LAG` calls back.
+        self.pending: deque[Snapshot] = deque()
         self.moves = 0
         self.joins = 0
         self.prefill_seconds = 0.0  # the scheduler's wall seconds in newcomers' prefills
@@ -242,17 +243,17 @@ class Batch:
         self.calls += 1
         if not isinstance(self.program, BeamProgram):
             tokens = any(seat.joining.streamer is not None or seat.joining.criteria for seat in self.seats.values())
-            self.latest = self.snapshots.take(self.rows, taken=self.calls, tokens=tokens)
+            self.pending.append(self.snapshots.take(self.rows, taken=self.calls, tokens=tokens))
 
     def collect(self) -> None:
         """Hand streaming rows' new tokens over, hand back the rows that ended, and leave abandoned ones: from
-        the rows' snapshot of the call before the last (`snapshots`; a beam search's groups from the last)."""
+        the rows' snapshot of the call `READ_LAG` calls back (`snapshots`; a beam search's groups from the last)."""
         if isinstance(self.program, BeamProgram):
-            self.earlier = self.latest = None
+            self.pending.clear()
             if self.seats:
                 self._collect_groups(self.program)
             return
-        snapshot, self.earlier = self.earlier, self.latest
+        snapshot = self.pending.popleft() if len(self.pending) > READ_LAG else None
         if snapshot is not None and self.seats:
             self._collect_rows(snapshot)
 
@@ -333,7 +334,7 @@ class Batch:
         hand_back(joining, tokens=tokens, error=error)
 
     def fail_all(self, error: BaseException) -> None:
-        self.earlier = self.latest = None
+        self.pending.clear()
         for row in list(self.seats):
             self.end(row, error=error)
         self.slot = 0

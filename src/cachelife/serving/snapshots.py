@@ -1,19 +1,26 @@
-"""The rows' state as the host reads it one step late, so that the device never waits for the host.
+"""The rows' state as the host reads it `READ_LAG` calls late, so that the device never waits for the host.
 
 After each call of the step the batch copies the rows' lengths, end flags and (while a row streams or has stops
 that only the host reads) tokens into host buffers, without waiting (`non_blocking` into pinned memory on
-CUDA), and marks the copy with an event. It reads that copy at the next step boundary, after it has launched
-the next call: the host hands tokens over and ends rows while the device runs the step after. Two sets of
-buffers take turns, so that a copy is never overwritten before it is read. A row the copy shows ended has run
-one more call, which changes nothing (the step leaves rows that do not run as they are).
+CUDA), and marks the copy with an event. It reads that copy `READ_LAG` step boundaries later, after it has
+launched the calls since: the host hands tokens over and ends rows while the device runs the calls after, and
+with two calls queued a host that is late by up to a call's time (the scheduler thread waiting for Python's
+lock while a request's thread prepares its request) leaves the device no gap. `READ_LAG + 1` sets of buffers
+take turns, so that a copy is never overwritten before it is read. A row the copy shows ended has run
+`READ_LAG` more calls, which change nothing (the step leaves rows that do not run as they are).
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import torch
 from attrs import define, frozen
 
 from cachelife.serving.rows import Rows
+
+READ_LAG: Final = 2
+"""Step calls between a call and the host's read of the rows' state after it."""
 
 
 @frozen(kw_only=True)
@@ -33,7 +40,7 @@ class Snapshot:
 
 @define
 class Snapshots:
-    """Two sets of host buffers for the rows' state, taken in turn."""
+    """`READ_LAG + 1` sets of host buffers for the rows' state, taken in turn."""
 
     buffers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     cuda: bool
@@ -46,12 +53,13 @@ class Snapshots:
         def host(like: torch.Tensor) -> torch.Tensor:
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda)
 
-        return cls(tuple((host(rows.length), host(rows.unfinished), host(rows.tokens)) for _ in range(2)), cuda)
+        sets = READ_LAG + 1
+        return cls(tuple((host(rows.length), host(rows.unfinished), host(rows.tokens)) for _ in range(sets)), cuda)
 
     def take(self, rows: Rows, *, taken: int, tokens: bool) -> Snapshot:
         """Start copying the rows' state (after the step call `taken`); `tokens`: their tokens too."""
         length, unfinished, token_buffer = self.buffers[self.turn]
-        self.turn = 1 - self.turn
+        self.turn = (self.turn + 1) % len(self.buffers)
         length.copy_(rows.length, non_blocking=self.cuda)
         unfinished.copy_(rows.unfinished, non_blocking=self.cuda)
         if tokens:

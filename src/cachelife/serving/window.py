@@ -4,8 +4,9 @@ Every row of the batch writes its next key and value at the same cache slot (tra
 count one position for the whole batch), so rows are aligned at their ends: a row that joins when the write
 slot is `g` puts its prompt of `L` tokens at slots `g - L .. g - 1` and masks everything before. A row that
 still has `r` tokens to feed writes up to slot `g + r - 1`, and past that the batch keeps `reserve` slots
-free: a call of the step writes `steps_per_call` slots however many of them a row uses, and one more call
-runs before the host reads that the row ended (`snapshots`), so the batch's reserve is two calls' slots.
+free: a call of the step writes `steps_per_call` slots however many of them a row uses, and `READ_LAG` more
+calls run before the host reads that the row ended (`snapshots`), so the batch's reserve is `1 + READ_LAG`
+calls' slots.
 When the newcomer does not fit where the rows are, all rows are moved together (the cache rolled along its
 positions by `shift`), which keeps every row's content and distances.
 """
