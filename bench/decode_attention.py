@@ -3,16 +3,17 @@
     python -m bench.decode_attention [--device cuda] [--dtype bfloat16] [--cases whisper-cross-16,...]
                                      [--splits 0,1,2,4,8,16] [--warps 4,8] [--block-n 0,64,128] [--out DIR]
 
-Each case is one attention call of a decoding step: one query per (row, head) over a static cache, as the
-engine's rows or `cachelife.generate` make it (CASES: whisper-large-v3's cross-attention over 1500 encoder frames
-and self-attention over 448 slots; the Llama-3.2-1B shape's grouped-query self-attention over 512 slots; 1 and 16
-rows; a self-attention row attends its first `used` slots, which differ by row). For each case: SDPA (what the
-rows use with `attention="model"`), the op as it plans itself (`cachelife.kernels.attention.decode_attention`),
-and every plan of the sweep (`--splits` x `--warps` x `--block-n`, 0 meaning the plan's own choice; with a
-mask, also without the per-tile skip). Each is timed as a CUDA graph of 20 calls replayed (device time per
-call, the median of 5), and its largest difference from the float32 reference
-(`reference_decode_attention`) is kept beside SDPA's: the verdict is that the kernel is no further from the
-reference than SDPA, times 2 plus one unit of the dtype's rounding.
+Each case is one attention call of a decoding step: one query per (row, head) over a static cache, as the engine's
+rows or `cachelife.generate` make it (CASES: whisper-large-v3's cross-attention over 1500 encoder frames and self-
+attention over 448 slots; the Llama-3.2-1B shape's grouped-query self-attention over 512 slots; 1 and 16 rows; a
+self-attention row attends its first `used` slots, which differ by row). For each case: SDPA with the process's
+backends, SDPA restricted to the backends a step keeps to (`sdpa_repeatable`: `cachelife.generation.repeatable`,
+what the rows use with `attention="model"` and for attention without a mask), two matrix products around a float32
+softmax (`products`), the op as it plans itself (`cachelife.kernels.attention.decode_attention`), and every plan of
+the sweep (`--splits` x `--warps` x `--block-n`, 0 meaning the plan's own choice; with a mask, also without the per-
+tile skip). Each is timed as a CUDA graph of 20 calls replayed (device time per call, the median of 5), and its
+largest difference from the float32 reference (`reference_decode_attention`) is kept beside SDPA's: the verdict is
+that the kernel is no further from the reference than SDPA, times 2 plus one unit of the dtype's rounding.
 Writes `<out>/decode-attention-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -25,8 +26,10 @@ from typing import Any, Final
 
 import torch
 from attrs import frozen
+from torch.nn.attention import sdpa_kernel
 
 from bench.results_file import bench_parser, results_file
+from cachelife.generation.repeatable import REPEATABLE_ATTENTION
 from cachelife.kernels.attention import (
     _programs,
     decode_attention,
@@ -121,11 +124,27 @@ def measure_case(name: str, case: Case, args: Any, device: torch.device, dtype: 
     rounding = torch.finfo(dtype).eps
     sdpa_error = largest_error(sdpa(), reference)
     bound = 2 * sdpa_error + rounding
+
+    def repeatable() -> torch.Tensor:
+        with sdpa_kernel(list(REPEATABLE_ATTENTION)):
+            return sdpa()
+
+    def products() -> torch.Tensor:
+        keys = key.repeat_interleave(group, dim=1) if group > 1 else key
+        values = value.repeat_interleave(group, dim=1) if group > 1 else value
+        scores = torch.matmul(query, keys.transpose(-1, -2)).float() * case.head_dim**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1).to(dtype), values)
+
     found: dict[str, Any] = {
         "case": name,
         "shape": {"rows": case.rows, "heads": case.heads, "kv_heads": case.kv_heads, "positions": case.positions,
                   "head_dim": case.head_dim, "used": case.used},
         "sdpa": {"ms": round(device_ms_per_call(sdpa), 4), "error": sdpa_error},
+        "sdpa_repeatable": {"ms": round(device_ms_per_call(repeatable), 4),
+                            "error": largest_error(repeatable(), reference)},
+        "products": {"ms": round(device_ms_per_call(products), 4), "error": largest_error(products(), reference)},
     }  # fmt: skip
     own_error = largest_error(decode_attention(query, key, value, mask), reference)
     own_ms = device_ms_per_call(lambda: decode_attention(query, key, value, mask))
@@ -151,6 +170,7 @@ def measure_case(name: str, case: Case, args: Any, device: torch.device, dtype: 
     found["plans"] = sorted(plans, key=lambda plan: plan["ms"])
     found["best_plan"] = found["plans"][0]
     found["op_to_sdpa"] = round(found["op"]["ms"] / found["sdpa"]["ms"], 3)
+    found["op_to_sdpa_repeatable"] = round(found["op"]["ms"] / found["sdpa_repeatable"]["ms"], 3)
     found["best_to_op"] = round(found["best_plan"]["ms"] / found["op"]["ms"], 3)
     found["verdict"] = {"bound": bound, "all_within_bound": found["op"]["within_bound"]
                         and all(plan["within_bound"] for plan in plans)}  # fmt: skip
