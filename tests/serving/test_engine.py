@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import MistralConfig, MistralForCausalLM
 
 import cachelife
@@ -217,6 +218,29 @@ def test_decoder_only_prefills_replay_one_graph_per_group_size_and_prompt_bucket
     assert prefills == (len(requests) if not together else len(requests) // 2)
     for index, (want, got) in enumerate(zip(expected, results, strict=True)):
         assert torch.equal(got, want), index
+
+
+@pytest.mark.slow
+def test_a_new_prompt_bucket_captures_without_compiling_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each prompt bucket's graph reads static twins of its inputs, new tensors for every bucket. Compiled for real,
+    # under stand-in graphs: once two buckets have made the prompt length dynamic, a third bucket's capture
+    # compiles nothing (a guard on the twins' identity would compile the forward again for every bucket).
+    built = zoo.build("llama")
+
+    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
+        warm_up()
+        return _Replayed(calls)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    requests = [{**built.inputs(1, length, length), "max_new_tokens": 3} for length in (3, 12, 20)]  # 8, 16, 32
+    with Engine(built.model, rows=2, max_length=40) as engine:
+        results = [engine.submit(**request).result(timeout=600) for request in requests[:2]]
+        compiled = counters["stats"]["unique_graphs"]
+        results.append(engine.submit(**requests[2]).result(timeout=600))
+        assert counters["stats"]["unique_graphs"] == compiled
+    for request, result in zip(requests, results, strict=True):
+        assert torch.equal(result, zoo.generate_tokens(built.model, request))
 
 
 def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel) -> None:
