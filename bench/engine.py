@@ -12,7 +12,8 @@ random features) are served, per path:
 - `engine_cN`: an `Engine(rows=--rows)` with N client threads, each submitting its share of the requests one
   after the other (closed loop), once per `--clients` value;
 - `sequential`: `cachelife.generate` on each request in turn, one thread, the model enabled
-  (`cachelife.enable`: its caches and graphs kept between calls);
+  (`cachelife.enable`: its caches and graphs kept between calls), run first when named (the engine paths'
+  `equal_to_sequential` and a lone request's latency come from it);
   both at `--steps-per-call` steps per graph replay;
 - `auto`: `model.generate` with transformers' auto-compile, in turn;
 - `engine_eager_prefill`: `engine` with every newcomer prefilled by transformers' eager prefill (a
@@ -49,8 +50,9 @@ kernels per step, and the kernel time launched from CUDA graphs apart from the k
 with `--num-beams` every request a beam search (a group of that
 many rows in the engine), whether each engine run gave every request the tokens of its warm-up (identical
 submissions, identical tokens), for a decoder-only model the verdict against transformers on the first `--verdicts`
-requests' warm-up tokens (bench.verdict), and how many requests' tokens equal `sequential`'s (in bf16 a batch's
-matrix products may round otherwise than one row's, so near ties can break otherwise).
+requests' warm-up tokens (bench.verdict), and, with `sequential` among the paths, how many requests' tokens equal
+`sequential`'s (in bf16 a batch's matrix products may round otherwise than one row's, so near ties can break
+otherwise).
 Writes `<out>/engine-<model>-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -478,7 +480,7 @@ def main() -> int:
     # As the docs ask of every user: without it, each sequential call gets new cache addresses and captures a
     # new CUDA graph. The engine keeps caches of its own either way.
     cachelife.enable(model)
-    if {"sequential", *ATTENTIONS, "engine_eager_prefill"} & set(paths):
+    if "sequential" in paths:
 
         def ours(request: Request) -> torch.Tensor:
             return as_tokens(cachelife.generate(model, fallback=False, steps_per_call=args.steps_per_call, **request))

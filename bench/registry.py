@@ -98,8 +98,8 @@ _ENTRIES = (
     Benchmark(
         "engine-llama-throughput", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine,engine_model_attention",
-         "--verdicts", "4"),
+         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths",
+         "sequential,engine,engine_model_attention", "--verdicts", "4"),
         "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy: 64 requests of 16-128 prompt tokens "
         "and 128 new tokens from 16 and 64 clients, the engine's default (cachelife's decode attention kernel in "
         "the rows) against the model's SDPA (attention='model'), with the scheduler's time split and the verdict "
@@ -110,7 +110,7 @@ _ENTRIES = (
         "engine-whisper-throughput", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "1,16",
          "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths",
-         "engine,engine_encoders_alone,engine_model_attention", "--ttft"),
+         "sequential,engine,engine_encoders_alone,engine_model_attention", "--ttft"),
         "cachelife.Engine (16 rows) on the whisper-large-v3 shape, bf16, greedy: 48 requests of 96 new tokens "
         "from 1 and 16 clients, every request streamed (time to first token p50/p99 against a lone request's), "
         "the engine's default (the decode attention kernel in the rows, newcomers' encoders run together) against "
@@ -118,10 +118,21 @@ _ENTRIES = (
         "cuda", "engine-whisper-large-v3-ttft-*cuda*.json",
     ),
     Benchmark(
+        "engine-llama-prefill-lag", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
+         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths",
+         "engine_prefill_without_graphs,engine_read_lag_1,engine", "--verdicts", "4", "--device-profile"),
+        "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy, 64 requests of 16-128 prompt tokens and "
+        "128 new tokens from 16 and 64 clients: the default (prefills replayed from graphs of prompt buckets, the "
+        "rows read two calls late) against prefills compiled at their own length without graphs and against rows "
+        "read one call late; each engine once more under the profiler (the device's busy share, kernels per step)",
+        "cuda", "engine-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
         "engine-sampling-llama", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16", "--requests", "64",
-         "--rows", "16", "--new-tokens", "64,128", "--paths", "engine,engine_sampling_one,engine_sampling_mixed",
-         "--verdicts", "4"),
+         "--rows", "16", "--new-tokens", "64,128", "--paths",
+         "sequential,engine,engine_sampling_one,engine_sampling_mixed", "--verdicts", "4"),
         "cachelife.Engine (16 rows, 16 clients), Llama-3.2-1B shape, bf16, 64 requests of 16-128 prompt and 64-128 "
         "new tokens: greedy (with the verdict against transformers), every request sampling with one setting, and "
         "with 16 settings spread over the requests (one program for every mix)",
@@ -130,7 +141,7 @@ _ENTRIES = (
     Benchmark(
         "repeatable-engine-llama", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16", "--requests", "64",
-         "--rows", "16", "--new-tokens", "64,128", "--paths", "engine,engine_cudnn"),
+         "--rows", "16", "--new-tokens", "64,128", "--paths", "sequential,engine,engine_cudnn"),
         "cachelife.Engine (16 rows, 16 clients) with repeatable attention against cuDNN's, Llama-3.2-1B shape, bf16, "
         "64 requests of 16-128 prompt and 64-128 new tokens: throughput, identical tokens on repeated submissions, "
         "and the verdict against transformers",
@@ -240,7 +251,7 @@ _ENTRIES = (
         "engine-encoders-cpu", "bench.engine",
         ("--device", "cpu", "--model", "whisper-small", "--dtype", "float32", "--clients", "8", "--requests", "32",
          "--rows", "8", "--new-tokens", "8,16", "--ttft", "--paths",
-         "engine_encoders_alone,engine,engine_encoders_alone,engine"),
+         "sequential,engine_encoders_alone,engine,engine_encoders_alone,engine"),
         "cachelife.Engine (8 rows, 8 clients) on a small Whisper on the CPU, float32: newcomers' encoders run "
         "together (the default) against each alone, twice each in turn; throughput, time to first token, the "
         "encoder forwards, and every request's tokens against cachelife.generate's",
