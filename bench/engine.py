@@ -413,6 +413,7 @@ def file_stem(args: Any) -> str:
     """The results file's name before its device, date and version: the model and what sets this run apart."""
     stem = f"engine-{args.model}" + (f"-spc{args.steps_per_call}" if args.steps_per_call > 1 else "")
     stem += "-ttft" if args.ttft else ""
+    stem += "-profiled" if args.device_profile else ""
     stem += f"-beams{args.num_beams}" if args.num_beams > 1 else ""
     stem += "-sampling" if any(path.startswith("engine_sampling") for path in args.paths.split(",")) else ""
     return stem + (f"-switch{1000 * args.switch_interval:g}ms" if args.switch_interval is not None else "")

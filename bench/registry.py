@@ -126,7 +126,7 @@ _ENTRIES = (
         "128 new tokens from 16 and 64 clients: the default (prefills replayed from graphs of prompt buckets, the "
         "rows read two calls late) against prefills compiled at their own length without graphs and against rows "
         "read one call late; each engine once more under the profiler (the device's busy share, kernels per step)",
-        "cuda", "engine-llama-3.2-1b-cuda-*.json",
+        "cuda", "engine-llama-3.2-1b-profiled-cuda-*.json",
     ),
     Benchmark(
         "engine-sampling-llama", "bench.engine",
