@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -206,7 +207,7 @@ def test_decoder_only_prefills_replay_one_graph_per_group_size_and_prompt_bucket
         if together:  # pairs at one boundary each: groups of two, of one bucket each
             results = []
             for first in range(0, len(requests), 2):
-                pair = engine._gate.at_once(lambda f=first: [engine.submit(**r) for r in requests[f : f + 2]])
+                pair = engine._gate.at_once(functools.partial(submitted_all, engine, requests[first : first + 2]))
                 results += [future.result(timeout=120) for future in pair]
         else:
             results = [engine.submit(**request).result(timeout=120) for request in requests]
@@ -241,6 +242,10 @@ def test_a_new_prompt_bucket_captures_without_compiling_again(monkeypatch: pytes
         assert counters["stats"]["unique_graphs"] == compiled
     for request, result in zip(requests, results, strict=True):
         assert torch.equal(result, zoo.generate_tokens(built.model, request))
+
+
+def submitted_all(engine: Engine, requests: list[dict[str, Any]]) -> list[Future[Any]]:
+    return [engine.submit(**request) for request in requests]
 
 
 def test_sampling_with_a_seed_equals_generate_with_that_seed(llama: zoo.ZooModel) -> None:
