@@ -249,22 +249,29 @@ def one_prefill_each() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def prefills_with(**attributes: bool) -> Iterator[None]:
+    """Engines made within have their `Prefill` made with `attributes` set (a benchmark's instrument)."""
+    made = Prefill.__init__
+
+    def changed(self: Prefill, *arguments: Any, **options: Any) -> None:
+        made(self, *arguments, **options)
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    Prefill.__init__ = changed  # type: ignore[method-assign]  # a benchmark's instrument
+    try:
+        yield
+    finally:
+        Prefill.__init__ = made  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def prefills_without_graphs() -> Iterator[None]:
     """Engines made within prefill a decoder-only model's newcomers with the compiled forward at their own
     prompt length, no graphs (what the engine did before its prefill graphs of prompt buckets): a benchmark's
     instrument, for the side-by-side comparison."""
-    made = Prefill.__init__
-
-    def without_graphs(self: Prefill, *arguments: Any, **options: Any) -> None:
-        made(self, *arguments, **options)
-        self.captures_joint = False
-
-    Prefill.__init__ = without_graphs  # type: ignore[method-assign]  # a benchmark's instrument
-    try:
-        with unittest.mock.patch.object(joint_prefill, "bucket", lambda longest, width: longest):
-            yield
-    finally:
-        Prefill.__init__ = made  # type: ignore[method-assign]
+    with prefills_with(captures_joint=False), unittest.mock.patch.object(joint_prefill, "bucket", lambda n, _: n):
+        yield
 
 
 @contextlib.contextmanager
@@ -284,21 +291,10 @@ def encoders_alone() -> contextlib.AbstractContextManager[Any]:
     return unittest.mock.patch.object(engine_module, "gather_encoder_calls", return_value=None)
 
 
-@contextlib.contextmanager
-def eager_prefills() -> Iterator[None]:
+def eager_prefills() -> contextlib.AbstractContextManager[None]:
     """Engines made within prefill every newcomer with transformers' eager prefill (what a decoder-only model's
     engine did before its prefill was compiled): a benchmark's instrument, for the side-by-side comparison."""
-    made = Prefill.__init__
-
-    def eager(self: Prefill, *arguments: Any, **options: Any) -> None:
-        made(self, *arguments, **options)
-        self.compiles = False
-
-    Prefill.__init__ = eager  # type: ignore[method-assign]  # a benchmark's instrument
-    try:
-        yield
-    finally:
-        Prefill.__init__ = made  # type: ignore[method-assign]
+    return prefills_with(compiles=False)
 
 
 def engine_runs(
