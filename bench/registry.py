@@ -44,6 +44,12 @@ ALL_LEVERS = (
 )
 """bench.generate's `--levers`, every one."""
 
+# The engine-step profiles' shapes: 1 and 16 rows, every row decoding (see bench.engine_step).
+LLAMA_STEP = ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16",
+              "--max-length", "512", "--prompt", "64", "--window", "0.3")  # fmt: skip
+WHISPER_STEP = ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--rows", "1,16",
+                "--max-length", "448", "--window", "0.3")  # fmt: skip
+
 _ENTRIES = (
     # -- CUDA: the GPU suite's benchmark stages (bench/gpu_suite.py), each writing to --out/<name> ---------------
     # One decoding step of cachelife.generate against transformers' auto-compile, each figure with its verdict
@@ -149,8 +155,7 @@ _ENTRIES = (
     ),
     Benchmark(
         "engine-step-llama", "bench.engine_step",
-        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16", "--max-length", "512",
-         "--prompt", "64", "--window", "0.3", "--attention", "model,decode"),
+        (*LLAMA_STEP, "--attention", "model,decode"),
         "where a step of the engine goes on the Llama-3.2-1B shape, bf16, with every row decoding: wall ms per "
         "step, device kernels by kind and the device's idle time, for 1 and 16 rows, the rows on the model's "
         "SDPA and on cachelife's decode attention kernel (attention='decode')",
@@ -158,24 +163,21 @@ _ENTRIES = (
     ),
     Benchmark(
         "engine-step-whisper", "bench.engine_step",
-        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--rows", "1,16",
-         "--max-length", "448", "--window", "0.3", "--attention", "model,decode"),
+        (*WHISPER_STEP, "--attention", "model,decode"),
         "the engine-step-llama profile on the whisper-large-v3 shape (every row decoding to Whisper's 448 "
         "positions over its own 1500 encoder frames), 1 and 16 rows, model's SDPA and the decode kernel",
         "cuda", "engine-step-whisper-large-v3-cuda-*.json",
     ),
     Benchmark(
         "engine-step-llama-default", "bench.engine_step",
-        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16", "--max-length", "512",
-         "--prompt", "64", "--window", "0.3", "--enable", "none/fuse_projections"),
+        (*LLAMA_STEP, "--enable", "none/fuse_projections"),
         "the engine-step-llama profile, 1 and 16 rows, the default attention: the model not enabled (no levers) "
         "and enabled with fused projections alone (enable's default)",
         "cuda", "engine-step-llama-3.2-1b-cuda-*-default-*.json",
     ),
     Benchmark(
         "engine-step-whisper-default", "bench.engine_step",
-        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--rows", "1,16",
-         "--max-length", "448", "--window", "0.3", "--enable", "none/fuse_projections"),
+        (*WHISPER_STEP, "--enable", "none/fuse_projections"),
         "the engine-step-llama-default comparison on the whisper-large-v3 shape (448 positions, 1500 encoder frames "
         "per row)",
         "cuda", "engine-step-whisper-large-v3-cuda-*-default-*.json",
