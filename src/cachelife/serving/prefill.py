@@ -120,28 +120,29 @@ class Prefill:
         are not yet taken); False if there is none. A capture that fails is logged once, and later prefills
         run compiled without graphs."""
         key = self._shape_key(inputs, scratch)
-        found = None if key is None else self.shapes.get(key)
+        if key is None:
+            return False
+        found = self.shapes.get(key)
+        capturing = found is None
         if found is None:
-            if key is None or len(self.shapes) >= MAX_SHAPES:
+            if len(self.shapes) >= MAX_SHAPES:
                 return False
-            try:
-                found = self.shapes[key] = self._graphed(inputs, scratch, logits)
-                twins, advance = found
-                _copy_into(twins, inputs)
-                advance()  # the first call runs the warm-up and captures
-            except Exception:
-                logger.warning(
-                    "cachelife.Engine: a prefill graph of %s failed to capture; newcomers are prefilled without "
-                    "graphs from now on", type(self.model).__name__, exc_info=True,
-                )  # fmt: skip
-                self.shapes.pop(key, None)
-                self.captures_joint = False
-                lifecycle(scratch).reset()
-                return False
-            return True
+            found = self.shapes[key] = self._graphed(inputs, scratch, logits)
         twins, advance = found
         _copy_into(twins, inputs)
-        advance()
+        try:
+            advance()  # a new graph's first call runs the warm-up and captures
+        except Exception:
+            if not capturing:
+                raise
+            logger.warning(
+                "cachelife.Engine: a prefill graph of %s failed to capture; newcomers are prefilled without "
+                "graphs from now on", type(self.model).__name__, exc_info=True,
+            )  # fmt: skip
+            del self.shapes[key]
+            self.captures_joint = False
+            lifecycle(scratch).reset()
+            return False
         return True
 
     def _compiled_forward(self, inputs: dict[str, Any], logits: torch.Tensor | None = None) -> bool:
