@@ -43,7 +43,7 @@ from cachelife.serving.prefill import Prefill
 from cachelife.serving.programs import Programs
 from cachelife.serving.requests import Joining, first_sequence, hand_back, stopped_at
 from cachelife.serving.row_settings import RowSettings
-from cachelife.serving.row_writes import RowWrites, layer_tensors
+from cachelife.serving.row_writes import RowWrites, roll_rows
 from cachelife.serving.rows import (
     PER_ROW,
     Program,
@@ -391,9 +391,7 @@ class Batch:
     def _roll(self, shift: int) -> None:
         """Move every row's content `shift` slots along the cache (all rows alike, distances kept)."""
         self.moves += 1
-        for layer in lifecycle(self.cache).self_attention:
-            for tensor in layer_tensors(layer):
-                tensor.copy_(torch.roll(tensor, shift, dims=2))
+        roll_rows(self.cache, shift)
         for first, seat in self.seats.items():
             seat.start += shift
             seat.end += shift

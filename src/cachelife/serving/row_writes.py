@@ -7,7 +7,8 @@ row: its self-attention keys and values shifted by the row's first slot, `start`
 batch's write slot on, which no query reads before a step overwrites it. Cross-attention keys and values go
 into the row whole, and every self-attention layer's position counter is set to the batch's write slot. The
 row, start, slot and source are one device tensor, so the same kernels serve every newcomer: under cachelife's CUDA
-graphs they are captured once and replayed per newcomer.
+graphs they are captured once and replayed per newcomer. `roll_rows` moves every row's content along the cache
+when a newcomer needs room on the left.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ class RowWrites:
     def _eager(self) -> int:
         write_row(**self.arguments)
         return 1
+
+
+def roll_rows(cache: object, shift: int) -> None:
+    """Move every row's self-attention keys and values `shift` slots along the cache, wrapping at its width."""
+    for layer in lifecycle(cache).self_attention:
+        for tensor in layer_tensors(layer):
+            tensor.copy_(torch.roll(tensor, shift, dims=2))
 
 
 def _pairs(mine: Sequence[LayerLifecycle], theirs: Sequence[LayerLifecycle]) -> list[tuple[torch.Tensor, torch.Tensor]]:
