@@ -1,19 +1,20 @@
 """cachelife's decode attention kernel against SDPA at the engine's shapes, and how its launch is best cut.
 
     python -m bench.decode_attention [--device cuda] [--dtype bfloat16] [--cases whisper-cross-16,...]
-                                     [--splits 0,1,2,4,8,16] [--warps 4,8] [--block-n 0,64,128] [--out DIR]
+                                     [--splits 0,1,2,4,8,16] [--warps 4,8] [--block-n 0,64,128] [--stages 0]
+                                     [--values-early 0] [--out DIR]
 
-Each case is one attention call of a decoding step: one query per (row, head) over a static cache, as the engine's
-rows or `cachelife.generate` make it (CASES: whisper-large-v3's cross-attention over 1500 encoder frames and self-
-attention over 448 slots; the Llama-3.2-1B shape's grouped-query self-attention over 512 slots; 1 and 16 rows; a
-self-attention row attends its first `used` slots, which differ by row). For each case: SDPA with the process's
-backends, SDPA restricted to the backends a step keeps to (`sdpa_repeatable`: `cachelife.generation.repeatable`,
-what the rows use with `attention="model"` and for attention without a mask), two matrix products around a float32
-softmax (`products`), the op as it plans itself (`cachelife.kernels.attention.decode_attention`), and every plan of
-the sweep (`--splits` x `--warps` x `--block-n`, 0 meaning the plan's own choice; with a mask, also without the per-
-tile skip). Each is timed as a CUDA graph of 20 calls replayed (device time per call, the median of 5), and its
-largest difference from the float32 reference (`reference_decode_attention`) is kept beside SDPA's: the verdict is
-that the kernel is no further from the reference than SDPA, times 2 plus one unit of the dtype's rounding.
+Each case is one attention call of a decoding step: one query per (row, head) over a static cache, as the engine's rows
+or `cachelife.generate` make it (CASES: whisper-large-v3's cross-attention over 1500 encoder frames and self-attention
+over 448 slots; the Llama-3.2-1B shape's grouped-query self-attention over 512 slots; 1 and 16 rows; a self-attention
+row attends its first `used` slots, which differ by row). For each case: SDPA with the process's backends, SDPA
+restricted to the backends a step keeps to (`sdpa_repeatable`: `cachelife.generation.repeatable`, what the rows use with
+`attention="model"` and for attention without a mask), two matrix products around a float32 softmax (`products`), the op
+as it plans itself (`cachelife.kernels.attention.decode_attention`), and every plan of the sweep (`--splits` x `--warps`
+x `--block-n` x `--stages` x `--values-early`, 0 meaning the plan's or Triton's own choice; with a mask, also without
+the per-tile skip). Each is timed as a CUDA graph of 20 calls replayed (device time per call, the median of 5), and its
+largest difference from the float32 reference (`reference_decode_attention`) is kept beside SDPA's: the verdict is that
+the kernel is no further from the reference than SDPA, times 2 plus one unit of the dtype's rounding.
 Writes `<out>/decode-attention-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
@@ -151,20 +152,27 @@ def measure_case(name: str, case: Case, args: Any, device: torch.device, dtype: 
     found["op"] = {"ms": round(own_ms, 4), "error": own_error, "within_bound": own_error <= bound}
     plans = []
     skips = (None, True) if mask is None else (None, False)
-    sweep = itertools.product(_ints(args.splits), _ints(args.warps), _ints(args.block_n), skips)
-    for splits, warps, block_n, skip in sweep:
+    sweep = itertools.product(
+        _ints(args.splits), _ints(args.warps), _ints(args.block_n), skips, _ints(args.stages), _ints(args.values_early)
+    )
+    for splits, warps, block_n, skip, stages, early in sweep:
         plan = plan_splits(
             batch=case.rows, kv_heads=case.kv_heads, group=group, positions=case.positions, key_dim=case.head_dim,
             value_dim=case.head_dim, programs=_programs(device), splits=splits or None, block_n=block_n or None,
         )  # fmt: skip
 
-        def call(plan: Any = plan, warps: int = warps, skip: bool | None = skip) -> torch.Tensor:
-            scale = case.head_dim**-0.5
-            return launch_plan(query, key, value, mask, scale=scale, plan=plan, num_warps=warps, skip_empty=skip)
+        def call(
+            plan: Any = plan, warps: int = warps, skip: bool | None = skip, stages: int = stages, early: int = early
+        ) -> torch.Tensor:
+            return launch_plan(
+                query, key, value, mask, scale=case.head_dim**-0.5, plan=plan, num_warps=warps, skip_empty=skip,
+                num_stages=stages or None, values_early=bool(early),
+            )  # fmt: skip
 
         error = largest_error(call(), reference)
         plans.append({
-            "splits": plan.splits, "block_n": plan.block_n, "warps": warps, "skip_empty": skip,
+            "splits": plan.splits, "block_n": plan.block_n, "warps": warps, "skip_empty": skip, "stages": stages,
+            "values_early": bool(early),
             "ms": round(device_ms_per_call(call), 4), "error": error, "within_bound": error <= bound,
         })  # fmt: skip
     found["plans"] = sorted(plans, key=lambda plan: plan["ms"])
@@ -188,6 +196,8 @@ def main() -> int:
     parser.add_argument("--splits", default="0,1,2,4,8,16")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--block-n", default="0,64,128")
+    parser.add_argument("--stages", default="0", help="phase 1's pipelined tiles; 0: Triton's default")
+    parser.add_argument("--values-early", default="0", help="0, 1 or both: read a tile's values before its scores")
     args = parser.parse_args()
     device = pick_device(args.device)
     if device.type != "cuda":

@@ -247,16 +247,25 @@ def test_tiles_the_mask_excludes_are_not_read() -> None:
 @pytest.mark.parametrize("mask_kind", [None, "bool"])
 def test_every_launch_a_benchmark_sweeps_equals_a_plain_softmax(mask_kind: str | None) -> None:
     """bench.decode_attention times plans other than the op's own (splits, tile length, warps, the per-tile skip
-    on or off): each computes the same attention."""
+    on or off, values read before or after the scores): each computes the same attention."""
     case = Case("", 2, 4, 2, 300, 16, mask_kind, 1, 1)
     query, key, value, mask = case.inputs()
-    for splits, block_n, skip in [(1, 32, None), (3, 64, True), (5, 16, False), (2, 128, None)]:
+    launches = [
+        (1, 32, None, False),
+        (3, 64, True, True),
+        (5, 16, False, False),
+        (2, 128, None, True),
+        (1, 16, True, True),
+    ]
+    for splits, block_n, skip, early in launches:
         plan = plan_splits(
             batch=2, kv_heads=2, group=2, positions=300, key_dim=16, value_dim=16, programs=1, splits=splits,
             block_n=block_n,
         )  # fmt: skip
         assert plan.block_n == block_n
-        output = launch_plan(query, key, value, mask, scale=16**-0.5, plan=plan, num_warps=2, skip_empty=skip)
+        output = launch_plan(
+            query, key, value, mask, scale=16**-0.5, plan=plan, num_warps=2, skip_empty=skip, values_early=early
+        )
         check_close(output, case)
 
 

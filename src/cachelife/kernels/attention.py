@@ -64,12 +64,14 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
     o_sb: Scalar, o_sh: Scalar, o_sd: Scalar,
     GROUP: constexpr, KEY_DIM: constexpr, VALUE_DIM: constexpr,
     BLOCK_G: constexpr, BLOCK_N: constexpr, BLOCK_DK: constexpr, BLOCK_DV: constexpr,
-    MASK: constexpr, FINAL: constexpr, SKIP_EMPTY: constexpr,
+    MASK: constexpr, FINAL: constexpr, SKIP_EMPTY: constexpr, VALUES_EARLY: constexpr,
 ) -> None:  # fmt: skip
     """Phase 1, in Triton's language: one (batch, key/value head, split). With one split (FINAL) it writes the
     output itself. MASK is 0 (none), 1 (bool, nonzero attends) or 2 (added to the scores). SKIP_EMPTY tests each
     tile for a live position before reading it (a branch in the loop, which keeps the compiler from pipelining
-    the loads): worth it where a mask can empty whole tiles; without one, a tile past the cache reads nothing."""
+    the loads): worth it where a mask can empty whole tiles; without one, a tile past the cache reads nothing.
+    VALUES_EARLY asks for a tile's values before its scores are computed, so that both reads are in flight at
+    once (more registers per program); the arithmetic is the same either way."""
     kv_heads = heads // GROUP
     batch = (tl.program_id(0) // kv_heads).to(tl.int64)
     kv_head = (tl.program_id(0) % kv_heads).to(tl.int64)
@@ -102,6 +104,9 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
         if visit:
             k_in = n_in[:, None] & (dk < KEY_DIM)[None, :]
             k = tl.load(keys + n[:, None] * k_sp + dk[None, :] * k_sd, mask=k_in, other=0.0).to(tl.float32)
+            v_in = n_in[:, None] & (dv < VALUE_DIM)[None, :]
+            if VALUES_EARLY:
+                v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0).to(tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
             if MASK == 2:
                 scores += bias
@@ -111,8 +116,8 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
             shift = tl.where(new_best == float("-inf"), 0.0, new_best)
             rescale = tl.exp(best - shift)
             weights = tl.exp(scores - shift[:, None])
-            v_in = n_in[:, None] & (dv < VALUE_DIM)[None, :]
-            v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0).to(tl.float32)
+            if not VALUES_EARLY:
+                v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0).to(tl.float32)
             acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             total = total * rescale + tl.sum(weights, axis=1)
             best = new_best
@@ -275,10 +280,13 @@ def _triton_decode_attention(
 def launch_plan(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scale: float,
     plan: SplitPlan, num_warps: int = LAUNCH["num_warps"], skip_empty: bool | None = None,
+    num_stages: int | None = None, values_early: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels on checked inputs, cut as `plan` says, with `num_warps` per program; `skip_empty` (by
-    default: whether there is a mask) tests each tile for a live position before reading it. The op launches
-    this with its own plan; benchmarks compare others (bench/decode_attention.py)."""
+    default: whether there is a mask) tests each tile for a live position before reading it; `num_stages` (by
+    default Triton's) sets how many tiles phase 1's loop pipelines, `values_early` whether a tile's values are
+    read before its scores are computed. The op launches this with its own plan; benchmarks compare others
+    (bench/decode_attention.py)."""
     batch, heads, _, key_dim = query.shape
     kv_heads, positions, value_dim = key.shape[1], key.shape[2], value.shape[3]
     out = torch.empty((batch, heads, 1, value_dim), dtype=query.dtype, device=query.device)
@@ -297,7 +305,9 @@ def launch_plan(
     part_max = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
     part_sum = out if final else torch.empty(rows, dtype=torch.float32, device=query.device)
     out_strides = (out.stride(0), out.stride(1), out.stride(3))
-    launch = {**LAUNCH, "num_warps": num_warps}
+    launch: dict[str, Any] = {**LAUNCH, "num_warps": num_warps}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     split, combine = _jitted()
     with launching_on(query.device):
         split[(batch * kv_heads, plan.splits)](
@@ -307,7 +317,7 @@ def launch_plan(
             *out_strides,
             GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
             BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final,
-            SKIP_EMPTY=mask is not None if skip_empty is None else skip_empty, **launch,
+            SKIP_EMPTY=mask is not None if skip_empty is None else skip_empty, VALUES_EARLY=values_early, **launch,
         )  # fmt: skip
         if not final:
             combine[(batch * heads,)](
