@@ -4,11 +4,11 @@ transformers' `_prefill` prepares the forward's inputs (`prepare_inputs_for_gene
 eagerly: for a deep decoder that costs the host far more than the GPU, and the engine's scheduler prefills
 every request in turn. With cachelife's CUDA graphs, an encoder-decoder model's prefill here prepares the
 inputs as transformers does, copies them into static twins, and replays a graph of the compiled forward,
-captured once per shape of those inputs (every Whisper request of one decoder prompt length, every T5
-request, shares one). Decoder-only prompts differ in length from request to request: with a compiled step,
-their forward is compiled (not captured) once for every length, which dynamo compiles as a dynamic size from
-the second length on; the other settings (eager steps, encoder-decoder models without cachelife's graphs)
-run transformers' own prefill.
+captured once per shape of those inputs (every Whisper request of one decoder prompt length, every T5 request,
+shares one). Decoder-only newcomers that the joint prefill takes go through `Prefill.joint`
+(`cachelife.serving.joint_prefill`): their prompts padded to a bucket, the preparation of the inputs and the
+forward compiled together, captured once per group size and bucket under cachelife's graphs. The other
+settings (eager steps, encoder-decoder models without cachelife's graphs) run transformers' own prefill.
 """
 
 from __future__ import annotations
@@ -40,6 +40,28 @@ def prefill_forward(model: PreTrainedModel, *, inputs: dict[str, Any], logits: t
     gets compiled and captured)."""
     output = model(**inputs, return_dict=True)
     logits.copy_(output.logits[:, -1])
+
+
+def prepared_prefill_forward(model: PreTrainedModel, *, inputs: dict[str, Any], logits: torch.Tensor) -> None:
+    """transformers' preparation of a decoder-only prefill's inputs (`input_ids` and `generate`'s keyword
+    arguments in `inputs`), then `prefill_forward` on them. Compiled or captured, the preparation builds the
+    attention mask on the device: run eagerly, it reads the mask on the host to drop it where nothing is
+    padded (a synchronisation, and inputs of another shape for a prompt that fills its bucket)."""
+    arguments = dict(inputs)
+    input_ids = arguments.pop("input_ids")
+    prepared = model.prepare_inputs_for_generation(
+        input_ids, next_sequence_length=None, is_first_iteration=True, **arguments
+    )
+    prefill_forward(model, inputs=prepared, logits=logits)
+
+
+PrefillFunction = Callable[..., None]
+
+# Each function's name for `compiled_step`, which keeps one compiled function per name and kind of arguments.
+_NAMES: Final[dict[PrefillFunction, str]] = {
+    prefill_forward: "engine prefill",
+    prepared_prefill_forward: "engine prefill with its preparation",
+}
 
 
 class Prefill:
@@ -74,7 +96,7 @@ class Prefill:
             if key is not None:
                 found = self.shapes.get(key)
                 if found is None and len(self.shapes) < MAX_SHAPES:
-                    found = self.shapes[key] = self._graphed(inputs, self.scratch, self.logits)
+                    found = self.shapes[key] = self._graphed(inputs, self.scratch, self.logits, prefill_forward)
                 if found is not None:
                     twins, advance = found
                     _copy_into(twins, inputs)
@@ -104,21 +126,19 @@ class Prefill:
         if logits is None:
             logits = self.joint_logits[rows] = torch.zeros(rows, self.logits.shape[1], dtype=torch.float32,
                                                            device=self.model.device)  # fmt: skip
-        inputs = self.model.prepare_inputs_for_generation(
-            input_ids, next_sequence_length=None, is_first_iteration=True, **kwargs
-        )
-        if self.captures_joint and self._replayed(inputs, scratch, logits):
+        raw = {"input_ids": input_ids, **kwargs}
+        if self.captures_joint and self._replayed(raw, scratch, logits):
             return logits
-        if self.compiles and self._compiled_forward(inputs, logits):
+        if self.compiles and self._compiled_forward(raw, logits, prepared_prefill_forward):
             return logits
         lifecycle(scratch).reset()  # a failed compilation may have written part of it
-        prefill_forward(model=self.model, inputs=inputs, logits=logits)
+        prepared_prefill_forward(self.model, inputs=raw, logits=logits)
         return logits
 
     def _replayed(self, inputs: dict[str, Any], scratch: object, logits: torch.Tensor) -> bool:
-        """Run the forward on `inputs` from the graph of their shape (captured now if new and `MAX_SHAPES` graphs
-        are not yet taken); False if there is none. A capture that fails is logged once, and later prefills
-        run compiled without graphs."""
+        """Run `prepared_prefill_forward` on `inputs` from the graph of their shape (captured now if new and
+        `MAX_SHAPES` graphs are not yet taken); False if there is none. A capture that fails is logged once, and
+        later prefills run compiled without graphs."""
         key = self._shape_key(inputs, scratch)
         if key is None:
             return False
@@ -127,7 +147,7 @@ class Prefill:
         if found is None:
             if len(self.shapes) >= MAX_SHAPES:
                 return False
-            found = self.shapes[key] = self._graphed(inputs, scratch, logits)
+            found = self.shapes[key] = self._graphed(inputs, scratch, logits, prepared_prefill_forward)
         twins, advance = found
         _copy_into(twins, inputs)
         try:
@@ -145,13 +165,15 @@ class Prefill:
             return False
         return True
 
-    def _compiled_forward(self, inputs: dict[str, Any], logits: torch.Tensor | None = None) -> bool:
-        """Run the compiled forward on `inputs` into `logits` (the one-row prefill's unless given); False (once,
+    def _compiled_forward(
+        self, inputs: dict[str, Any], logits: torch.Tensor | None = None, function: PrefillFunction = prefill_forward
+    ) -> bool:
+        """Run `function` compiled on `inputs` into `logits` (the one-row prefill's unless given); False (once,
         with a warning; later prefills are eager) if its first call, which compiles it, fails."""
         logits = self.logits if logits is None else logits
         kind = specialization(inputs)
         forward = compiled_step(
-            self.model, "engine prefill", prefill_forward, "default", self.settings.compile_options, kind=kind
+            self.model, _NAMES[function], function, "default", self.settings.compile_options, kind=kind
         )
         if forward in self.ran:
             forward(model=self.model, inputs=inputs, logits=logits)
@@ -187,9 +209,9 @@ class Prefill:
         return tuple(key)
 
     def _graphed(
-        self, inputs: dict[str, Any], scratch: object, logits: torch.Tensor
+        self, inputs: dict[str, Any], scratch: object, logits: torch.Tensor, function: PrefillFunction
     ) -> tuple[dict[str, Any], Callable[[], int]]:
-        """Static twins of `inputs`, and the function that runs the forward on them into `logits` (captured at
+        """Static twins of `inputs`, and the function that runs `function` on them into `logits` (captured at
         its first call, replayed after)."""
         twins = {name: _twin(value) for name, value in inputs.items()}
 
@@ -197,7 +219,7 @@ class Prefill:
             return {"model": self.model, "inputs": twins, "logits": logits}
 
         advance = stepper(
-            self.model, "engine prefill", prefill_forward, arguments,
+            self.model, _NAMES[function], function, arguments,
             in_place=(self.model, scratch, twins, logits), read_only=(), settings=self.settings,
             rewind=lambda: lifecycle(scratch).reset(), fixed_buffers=True,
         )  # fmt: skip
