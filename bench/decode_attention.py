@@ -2,7 +2,7 @@
 
     python -m bench.decode_attention [--device cuda] [--dtype bfloat16] [--cases whisper-cross-16,...]
                                      [--splits 0,1,2,4,8,16] [--warps 4,8] [--block-n 0,64,128] [--stages 0]
-                                     [--values-early 0] [--out DIR]
+                                     [--values-early 0] [--products 0] [--out DIR]
 
 Each case is one attention call of a decoding step: one query per (row, head) over a static cache, as the engine's rows
 or `cachelife.generate` make it (CASES: whisper-large-v3's cross-attention over 1500 encoder frames and self-attention
@@ -11,15 +11,16 @@ row attends its first `used` slots, which differ by row). For each case: SDPA wi
 restricted to the backends a step keeps to (`sdpa_repeatable`: `cachelife.generation.repeatable`, what the rows use with
 `attention="model"` and for attention without a mask), two matrix products around a float32 softmax (`products`), the op
 as it plans itself (`cachelife.kernels.attention.decode_attention`), and every plan of the sweep (`--splits` x `--warps`
-x `--block-n` x `--stages` x `--values-early`, 0 meaning the plan's or Triton's own choice; with a mask, also without
-the per-tile skip). Each is timed as a CUDA graph of 20 calls replayed (device time per call, the median of 5), and its
-largest difference from the float32 reference (`reference_decode_attention`) is kept beside SDPA's: the verdict is that
-the kernel is no further from the reference than SDPA, times 2 plus one unit of the dtype's rounding.
+x `--block-n` x `--stages` x `--values-early` x `--products`, 0 meaning the plan's or Triton's own choice; with a mask,
+also without the per-tile skip). Each is timed as a CUDA graph of 20 calls replayed (device time per call, the median of
+5), and its largest difference from the float32 reference (`reference_decode_attention`) is kept beside SDPA's: the
+verdict is that the kernel is no further from the reference than SDPA, times 2 plus one unit of the dtype's rounding.
 Writes `<out>/decode-attention-<device>-<date>-tf<version>.json`. A benchmark, not a timed test.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 from collections.abc import Callable
@@ -153,27 +154,24 @@ def measure_case(name: str, case: Case, args: Any, device: torch.device, dtype: 
     plans = []
     skips = (None, True) if mask is None else (None, False)
     sweep = itertools.product(
-        _ints(args.splits), _ints(args.warps), _ints(args.block_n), skips, _ints(args.stages), _ints(args.values_early)
-    )
-    for splits, warps, block_n, skip, stages, early in sweep:
+        _ints(args.splits), _ints(args.warps), _ints(args.block_n), skips, _ints(args.stages),
+        _ints(args.values_early), _ints(args.products),
+    )  # fmt: skip
+    for splits, warps, block_n, skip, stages, early, dots in sweep:
         plan = plan_splits(
             batch=case.rows, kv_heads=case.kv_heads, group=group, positions=case.positions, key_dim=case.head_dim,
             value_dim=case.head_dim, programs=_programs(device), splits=splits or None, block_n=block_n or None,
         )  # fmt: skip
 
-        def call(
-            plan: Any = plan, warps: int = warps, skip: bool | None = skip, stages: int = stages, early: int = early
-        ) -> torch.Tensor:
-            return launch_plan(
-                query, key, value, mask, scale=case.head_dim**-0.5, plan=plan, num_warps=warps, skip_empty=skip,
-                num_stages=stages or None, values_early=bool(early),
-            )  # fmt: skip
-
-        error = largest_error(call(), reference)
+        launch = functools.partial(
+            launch_plan, query, key, value, mask, scale=case.head_dim**-0.5, plan=plan, num_warps=warps,
+            skip_empty=skip, num_stages=stages or None, values_early=bool(early), products=bool(dots),
+        )  # fmt: skip
+        error = largest_error(launch(), reference)
         plans.append({
             "splits": plan.splits, "block_n": plan.block_n, "warps": warps, "skip_empty": skip, "stages": stages,
-            "values_early": bool(early),
-            "ms": round(device_ms_per_call(call), 4), "error": error, "within_bound": error <= bound,
+            "values_early": bool(early), "products": bool(dots),
+            "ms": round(device_ms_per_call(launch), 4), "error": error, "within_bound": error <= bound,
         })  # fmt: skip
     found["plans"] = sorted(plans, key=lambda plan: plan["ms"])
     found["best_plan"] = found["plans"][0]
@@ -198,6 +196,7 @@ def main() -> int:
     parser.add_argument("--block-n", default="0,64,128")
     parser.add_argument("--stages", default="0", help="phase 1's pipelined tiles; 0: Triton's default")
     parser.add_argument("--values-early", default="0", help="0, 1 or both: read a tile's values before its scores")
+    parser.add_argument("--products", default="0", help="0, 1 or both: scores and weighted values as matrix products")
     args = parser.parse_args()
     device = pick_device(args.device)
     if device.type != "cuda":

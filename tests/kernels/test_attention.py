@@ -11,6 +11,7 @@ on one.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -247,7 +248,8 @@ def test_tiles_the_mask_excludes_are_not_read() -> None:
 @pytest.mark.parametrize("mask_kind", [None, "bool"])
 def test_every_launch_a_benchmark_sweeps_equals_a_plain_softmax(mask_kind: str | None) -> None:
     """bench.decode_attention times plans other than the op's own (splits, tile length, warps, the per-tile skip
-    on or off, values read before or after the scores): each computes the same attention."""
+    on or off, values read before or after the scores, matrix products or sums): each computes the same
+    attention."""
     case = Case("", 2, 4, 2, 300, 16, mask_kind, 1, 1)
     query, key, value, mask = case.inputs()
     launches = [
@@ -258,15 +260,24 @@ def test_every_launch_a_benchmark_sweeps_equals_a_plain_softmax(mask_kind: str |
         (1, 16, True, True),
     ]
     for splits, block_n, skip, early in launches:
+        products = block_n == 64
         plan = plan_splits(
             batch=2, kv_heads=2, group=2, positions=300, key_dim=16, value_dim=16, programs=1, splits=splits,
             block_n=block_n,
         )  # fmt: skip
         assert plan.block_n == block_n
         output = launch_plan(
-            query, key, value, mask, scale=16**-0.5, plan=plan, num_warps=2, skip_empty=skip, values_early=early
-        )
+            query, key, value, mask, scale=16**-0.5, plan=plan, num_warps=2, skip_empty=skip, values_early=early,
+            products=products,
+        )  # fmt: skip
         check_close(output, case)
+    # Matrix products of float16, weights rounded to it (the interpreter multiplies no bfloat16 matrices).
+    rounded = dataclasses.replace(case, dtype=torch.float16)
+    query, key, value, mask = rounded.inputs()
+    plan = plan_splits(
+        batch=2, kv_heads=2, group=2, positions=300, key_dim=16, value_dim=16, programs=1, splits=3, block_n=32
+    )
+    check_close(launch_plan(query, key, value, mask, scale=16**-0.5, plan=plan, products=True), rounded)
 
 
 def test_kernels_compile_for_a_gpu_without_one(tmp_path: Path) -> None:
@@ -286,13 +297,16 @@ def compile_kernels() -> None:
     target = importlib.import_module("triton.backends.compiler").GPUTarget("cuda", 90, 32)
     jit = importlib.import_module("triton.runtime.jit").JITFunction
     partials = {"part_acc": "*fp32", "part_max": "*fp32", "part_sum": "*fp32"}
-    variants = [  # (group, mask (0 none, 1 bool, 2 added), one split, dtype)
-        (1, 0, True, "bf16"), (4, 1, False, "bf16"), (3, 2, False, "fp32"),
+    variants = [  # (group, mask (0 none, 1 bool, 2 added), one split, dtype, values early, matrix products)
+        (1, 0, True, "bf16", False, False), (4, 1, False, "bf16", True, False), (3, 2, False, "fp32", False, False),
+        (1, 0, False, "bf16", True, True), (4, 1, False, "fp32", False, True),
     ]  # fmt: skip
-    for group, mask, final, dtype in variants:
-        blocks = {"BLOCK_G": 4 if group > 1 else 1, "BLOCK_N": 32, "BLOCK_DK": 64, "BLOCK_DV": 64}
+    for group, mask, final, dtype, early, products in variants:
+        rows = 16 if products else 4 if group > 1 else 1
+        blocks = {"BLOCK_G": rows, "BLOCK_N": 32, "BLOCK_DK": 64, "BLOCK_DV": 64}
         constants = {"GROUP": group, "KEY_DIM": 64, "VALUE_DIM": 64, **blocks, "MASK": mask, "FINAL": final,
-                     "SKIP_EMPTY": mask != 0}  # fmt: skip
+                     "SKIP_EMPTY": mask != 0, "VALUES_EARLY": early, "PRODUCTS": products,
+                     "IEEE": dtype == "fp32"}  # fmt: skip
         pointers = dict.fromkeys(("query", "key", "value", "out"), f"*{dtype}") | partials
         pointers["mask"] = "*u8" if mask == 1 else f"*{dtype}"
         compile_kernel(compiler, jit(attention_split_kernel), target, constants, pointers)

@@ -20,6 +20,7 @@ import functools
 import math
 from typing import Any, Final
 
+import attrs
 import torch
 from attrs import frozen
 
@@ -51,9 +52,11 @@ PROGRAMS_PER_SM: Final = 8
 _NO_MASK: Final = 0
 _BOOL_MASK: Final = 1
 _ADDED_MASK: Final = 2
+# The fewest rows of a matrix product's left operand (tl.dot), which query heads are padded to.
+_PRODUCT_ROWS: Final = 16
 
 
-def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
+def attention_split_kernel(  # noqa: PLR0912, PLR0915, PLR0917 (a Triton kernel: every pointer, size and stride positionally)
     query: Pointer, key: Pointer, value: Pointer, mask: Pointer, out: Pointer,
     part_acc: Pointer, part_max: Pointer, part_sum: Pointer,
     scale: Scalar, heads: Scalar, positions: Scalar, split_size: Scalar, splits: Scalar,
@@ -64,14 +67,17 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
     o_sb: Scalar, o_sh: Scalar, o_sd: Scalar,
     GROUP: constexpr, KEY_DIM: constexpr, VALUE_DIM: constexpr,
     BLOCK_G: constexpr, BLOCK_N: constexpr, BLOCK_DK: constexpr, BLOCK_DV: constexpr,
-    MASK: constexpr, FINAL: constexpr, SKIP_EMPTY: constexpr, VALUES_EARLY: constexpr,
+    MASK: constexpr, FINAL: constexpr, SKIP_EMPTY: constexpr, VALUES_EARLY: constexpr, PRODUCTS: constexpr,
+    IEEE: constexpr,
 ) -> None:  # fmt: skip
     """Phase 1, in Triton's language: one (batch, key/value head, split). With one split (FINAL) it writes the
     output itself. MASK is 0 (none), 1 (bool, nonzero attends) or 2 (added to the scores). SKIP_EMPTY tests each
     tile for a live position before reading it (a branch in the loop, which keeps the compiler from pipelining
     the loads): worth it where a mask can empty whole tiles; without one, a tile past the cache reads nothing.
     VALUES_EARLY asks for a tile's values before its scores are computed, so that both reads are in flight at
-    once (more registers per program); the arithmetic is the same either way."""
+    once (more registers per program); the arithmetic is the same either way. PRODUCTS computes the scores and
+    the weighted values as matrix products (tl.dot, at least 16 query rows, the weights rounded to the values'
+    dtype first, as flash attention rounds them; IEEE keeps float32 products exact instead of TF32)."""
     kv_heads = heads // GROUP
     batch = (tl.program_id(0) // kv_heads).to(tl.int64)
     kv_head = (tl.program_id(0) % kv_heads).to(tl.int64)
@@ -81,7 +87,8 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q_in = (g < GROUP)[:, None] & (dk < KEY_DIM)[None, :]
-    q = tl.load(query + batch * q_sb + head[:, None] * q_sh + dk[None, :] * q_sd, mask=q_in, other=0.0).to(tl.float32)
+    q_raw = tl.load(query + batch * q_sb + head[:, None] * q_sh + dk[None, :] * q_sd, mask=q_in, other=0.0)
+    q = q_raw.to(tl.float32)
     keys = key + batch * k_sb + kv_head * k_sh
     values = value + batch * v_sb + kv_head * v_sh
     best = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -103,11 +110,17 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
             visit = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0
         if visit:
             k_in = n_in[:, None] & (dk < KEY_DIM)[None, :]
-            k = tl.load(keys + n[:, None] * k_sp + dk[None, :] * k_sd, mask=k_in, other=0.0).to(tl.float32)
+            k = tl.load(keys + n[:, None] * k_sp + dk[None, :] * k_sd, mask=k_in, other=0.0)
             v_in = n_in[:, None] & (dv < VALUE_DIM)[None, :]
             if VALUES_EARLY:
-                v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+                v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0)
+            if PRODUCTS:
+                if IEEE:
+                    scores = tl.dot(q_raw, tl.trans(k), input_precision="ieee") * scale
+                else:
+                    scores = tl.dot(q_raw, tl.trans(k)) * scale
+            else:
+                scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
             if MASK == 2:
                 scores += bias
             scores = tl.where(live, scores, float("-inf"))
@@ -117,8 +130,15 @@ def attention_split_kernel(  # noqa: PLR0915, PLR0917 (a Triton kernel: every po
             rescale = tl.exp(best - shift)
             weights = tl.exp(scores - shift[:, None])
             if not VALUES_EARLY:
-                v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0).to(tl.float32)
-            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+                v = tl.load(values + n[:, None] * v_sp + dv[None, :] * v_sd, mask=v_in, other=0.0)
+            if PRODUCTS:
+                if IEEE:  # noqa: SIM108 (Triton compiles branches on a constexpr, not every conditional expression)
+                    weighted = tl.dot(weights, v, input_precision="ieee")
+                else:
+                    weighted = tl.dot(weights.to(v.dtype), v)
+            else:
+                weighted = tl.sum(weights[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * rescale[:, None] + weighted
             total = total * rescale + tl.sum(weights, axis=1)
             best = new_best
     out_in = (g < GROUP)[:, None] & (dv < VALUE_DIM)[None, :]
@@ -280,15 +300,18 @@ def _triton_decode_attention(
 def launch_plan(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scale: float,
     plan: SplitPlan, num_warps: int = LAUNCH["num_warps"], skip_empty: bool | None = None,
-    num_stages: int | None = None, values_early: bool = False,
+    num_stages: int | None = None, values_early: bool = False, products: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernels on checked inputs, cut as `plan` says, with `num_warps` per program; `skip_empty` (by
     default: whether there is a mask) tests each tile for a live position before reading it; `num_stages` (by
     default Triton's) sets how many tiles phase 1's loop pipelines, `values_early` whether a tile's values are
-    read before its scores are computed. The op launches this with its own plan; benchmarks compare others
+    read before its scores are computed, `products` whether the kernel computes with matrix products (its query
+    heads padded to 16). The op launches this with its own plan; benchmarks compare others
     (bench/decode_attention.py)."""
     batch, heads, _, key_dim = query.shape
     kv_heads, positions, value_dim = key.shape[1], key.shape[2], value.shape[3]
+    if products:
+        plan = attrs.evolve(plan, block_g=max(plan.block_g, _PRODUCT_ROWS))
     out = torch.empty((batch, heads, 1, value_dim), dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
@@ -317,7 +340,8 @@ def launch_plan(
             *out_strides,
             GROUP=heads // kv_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_G=plan.block_g, BLOCK_N=plan.block_n,
             BLOCK_DK=plan.block_dk, BLOCK_DV=plan.block_dv, MASK=mask_kind, FINAL=final,
-            SKIP_EMPTY=mask is not None if skip_empty is None else skip_empty, VALUES_EARLY=values_early, **launch,
+            SKIP_EMPTY=mask is not None if skip_empty is None else skip_empty, VALUES_EARLY=values_early,
+            PRODUCTS=products, IEEE=query.dtype == torch.float32, **launch,
         )  # fmt: skip
         if not final:
             combine[(batch * heads,)](
