@@ -24,6 +24,9 @@ random features) are served, per path:
   bucket otherwise: `cachelife.serving.joint_prefill`);
 - `engine_read_lag_1`: `engine` with the rows' state read one call late (`cachelife.serving.snapshots` reads it
   two calls late otherwise, two calls queued on the device);
+- `engine_unmasked_kernel` (encoder-decoder): `engine` with cross-attention without a mask through the decode
+  attention kernel's matrix products (`cachelife.model_rewrites.decode_attention.UNMASKED_BY_KERNEL`; SDPA
+  otherwise);
 - `engine_one_prefill`: `engine` with every newcomer prefilled alone, in a forward of its own (newcomers that
   join at one boundary share one forward otherwise: `cachelife.serving.joint_prefill`);
 - `engine_encoders_alone` (encoder-decoder): `engine` with every newcomer's encoder run alone in its request's
@@ -81,6 +84,7 @@ from bench.padded import MODEL_NAMES, build_model
 from bench.results_file import bench_parser, results_file
 from bench.timing import as_tokens, cudnn_attention_allowed, milliseconds, synchronize
 from bench.verdict import judge_requests
+from cachelife.model_rewrites import decode_attention as decode_attention_module
 from cachelife.serving import batch as batch_module
 from cachelife.serving import engine as engine_module
 from cachelife.serving import joint_prefill
@@ -283,6 +287,12 @@ def read_one_call_late() -> Iterator[None]:
         unittest.mock.patch.object(snapshots_module, "READ_LAG", 1),
     ):
         yield
+
+
+def unmasked_by_kernel() -> contextlib.AbstractContextManager[Any]:
+    """Engines made within run attention without a mask (cross-attention) through the decode attention kernel's
+    matrix products: a benchmark's instrument, for the side-by-side comparison before it is a default."""
+    return unittest.mock.patch.object(decode_attention_module, "UNMASKED_BY_KERNEL", True)
 
 
 def encoders_alone() -> contextlib.AbstractContextManager[Any]:
@@ -488,7 +498,8 @@ def main() -> int:
         instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
                       "engine_one_prefill": one_prefill_each, "engine_encoders_alone": encoders_alone,
                       "engine_prefill_without_graphs": prefills_without_graphs,
-                      "engine_read_lag_1": read_one_call_late}  # fmt: skip
+                      "engine_read_lag_1": read_one_call_late,
+                      "engine_unmasked_kernel": unmasked_by_kernel}  # fmt: skip
         if path in (*ATTENTIONS, *instrument):
             label = path if path not in paths[:index] else f"{path}_again"
             cachelife.release(model)  # each path compiles its own steps (cuDNN's attention, or not)

@@ -135,6 +135,16 @@ _ENTRIES = (
         "cuda", "engine-llama-3.2-1b-profiled-cuda-*.json",
     ),
     Benchmark(
+        "engine-whisper-unmasked-kernel", "bench.engine",
+        ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "16",
+         "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths", "engine,engine_unmasked_kernel",
+         "--device-profile"),
+        "cachelife.Engine (16 rows, 16 clients) on the whisper-large-v3 shape, bf16, greedy, 48 requests of 96 new "
+        "tokens: cross-attention through SDPA (the default) against the decode attention kernel's matrix products "
+        "(each engine once more under the profiler: kernel time per step)",
+        "cuda", "engine-whisper-large-v3-profiled-cuda-*.json",
+    ),
+    Benchmark(
         "engine-sampling-llama", "bench.engine",
         ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16", "--requests", "64",
          "--rows", "16", "--new-tokens", "64,128", "--paths",

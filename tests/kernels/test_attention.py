@@ -43,6 +43,7 @@ from cachelife.kernels.attention import (
     reference_decode_attention,
 )
 from cachelife.kernels.triton_support import triton_runs_on
+from cachelife.model_rewrites import decode_attention as decode_attention_module
 from cachelife.model_rewrites.decode_attention import (
     ATTENTION,
     decode_attention_forward,
@@ -350,7 +351,9 @@ def test_inputs_the_kernel_does_not_take_are_refused() -> None:
 def test_op_passes_torch_library_checks() -> None:
     """The schema, the fake implementation (shapes, strides, dtype) and AOT dispatch, by torch.library.opcheck."""
     query, key, value, mask = Case("", 2, 4, 2, 40, 16, "bool", 2, 1).inputs()
-    torch.library.opcheck(torch.ops.cachelife.decode_attention.default, (query, key, value, mask, 0.25, 2))
+    for products in (False, True):
+        arguments = (query, key, value, mask, 0.25, 2, products)
+        torch.library.opcheck(torch.ops.cachelife.decode_attention.default, arguments)
 
 
 def test_op_compiles_with_fullgraph() -> None:
@@ -434,6 +437,27 @@ def test_greedy_tokens_equal_sdpas(name: str) -> None:
     switch.restore()
     layers, first_step = MODELS[name]
     assert op_calls(profile) == layers * (NEW if first_step else NEW - 1)
+    assert torch.equal(output.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(output.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["whisper", "bart"])
+def test_unmasked_cross_attention_by_the_kernels_products_gives_sdpas_tokens(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `UNMASKED_BY_KERNEL`, cross-attention without a mask or bias takes the op too (its matrix products;
+    float32 products stay exact): every decoder layer's two attentions at each step, SDPA's tokens and logits."""
+    monkeypatch.setattr(decode_attention_module, "UNMASKED_BY_KERNEL", True)
+    built = zoo.build(name)
+    inputs = built.inputs(2, 7, 0)
+    expected = greedy(built.model, inputs)
+    switch = use_decode_attention(built.model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        output = greedy(built.model, inputs)
+    switch.restore()
+    layers, _ = MODELS[name]
+    assert op_calls(profile) == 2 * layers * NEW  # both attentions, every step (a one-token decoder prompt too)
     assert torch.equal(output.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(output.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
 

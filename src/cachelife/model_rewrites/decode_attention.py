@@ -20,6 +20,12 @@ from cachelife.kernels.attention import decode_attention, input_problem
 
 ATTENTION: Final = "cachelife_decode"
 
+UNMASKED_BY_KERNEL = False
+"""Whether one-query calls without a mask or bias (Whisper's and BART's cross-attention) take the kernel's matrix
+products (`decode_attention(..., products=True)`) instead of SDPA. Off: the products round the attention weights
+as flash attention does but not as the SDPA backends a step keeps to, and the step's wall time and tokens with
+them are not yet measured (`bench.engine`'s `engine_unmasked_kernel` path sets it for the comparison)."""
+
 
 def decode_attention_forward(  # noqa: PLR0917 (transformers' attention-function signature)
     module: torch.nn.Module,
@@ -34,18 +40,20 @@ def decode_attention_forward(  # noqa: PLR0917 (transformers' attention-function
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: `decode_attention` for one query over masked keys, transformers' SDPA
-    otherwise (no mask and no bias, such as Whisper's cross-attention: nothing to skip, and SDPA reads every
-    key faster; more queries, dropout, soft-capping, attention sinks, a query that needs gradients (the op has
-    none), or inputs the kernel does not take). Returns the output as (batch, q_len, heads, head_dim) and no
+    otherwise (no mask and no bias, such as Whisper's cross-attention, unless `UNMASKED_BY_KERNEL`; more
+    queries, dropout, soft-capping, attention sinks, a query that needs gradients (the op has none), or inputs
+    the kernel does not take). Returns the output as (batch, q_len, heads, head_dim) and no
     weights, as SDPA does. T5's `position_bias` joins the mask."""
     declined = dropout != 0.0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
     declined = declined or (torch.is_grad_enabled() and query.requires_grad)
-    declined = declined or (attention_mask is None and position_bias is None)
+    unmasked = attention_mask is None and position_bias is None
+    declined = declined or (unmasked and not UNMASKED_BY_KERNEL)
     tensor_mask = attention_mask is None or isinstance(attention_mask, torch.Tensor)  # not a flex BlockMask
     if query.shape[2] == 1 and tensor_mask and not declined:
         mask = attention_mask if position_bias is None else _biased_mask(position_bias, attention_mask)
         if not input_problem(query, key, value, mask):
-            return decode_attention(query, key, value, mask, scaling=scaling).transpose(1, 2), None
+            output = decode_attention(query, key, value, mask, scaling=scaling, products=unmasked)
+            return output.transpose(1, 2), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
         position_bias=position_bias, **kwargs,
