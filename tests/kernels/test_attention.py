@@ -424,10 +424,9 @@ def greedy(model: PreTrainedModel, inputs: zoo.Inputs, new: int = NEW, **setting
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_tokens_equal_sdpas(name: str) -> None:
-    """Static-cache greedy decoding: self-attention (and cross-attention) of every step after the prompt
-    through the op, with SDPA's tokens and, to float32 rounding, its logits."""
+def op_calls_and_sdpas_tokens(name: str) -> int:
+    """How many calls of the op a model's static-cache greedy decoding makes with the decode attention switched
+    on, after checking its tokens equal SDPA's and, to float32 rounding, its logits."""
     built = zoo.build(name)
     inputs = built.inputs(2, 7, 0)
     expected = greedy(built.model, inputs)
@@ -435,10 +434,17 @@ def test_greedy_tokens_equal_sdpas(name: str) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         output = greedy(built.model, inputs)
     switch.restore()
-    layers, first_step = MODELS[name]
-    assert op_calls(profile) == layers * (NEW if first_step else NEW - 1)
     assert torch.equal(output.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(output.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+    return op_calls(profile)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_equal_sdpas(name: str) -> None:
+    """Static-cache greedy decoding: self-attention (and cross-attention) of every step after the prompt
+    through the op, with SDPA's tokens and, to float32 rounding, its logits."""
+    layers, first_step = MODELS[name]
+    assert op_calls_and_sdpas_tokens(name) == layers * (NEW if first_step else NEW - 1)
 
 
 @needs_triton
@@ -447,19 +453,11 @@ def test_unmasked_cross_attention_by_the_kernels_products_gives_sdpas_tokens(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `UNMASKED_BY_KERNEL`, cross-attention without a mask or bias takes the op too (its matrix products;
-    float32 products stay exact): every decoder layer's two attentions at each step, SDPA's tokens and logits."""
+    float32 products stay exact): both attentions of every decoder layer at each step (a one-token decoder
+    prompt's too), SDPA's tokens and logits."""
     monkeypatch.setattr(decode_attention_module, "UNMASKED_BY_KERNEL", True)
-    built = zoo.build(name)
-    inputs = built.inputs(2, 7, 0)
-    expected = greedy(built.model, inputs)
-    switch = use_decode_attention(built.model)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        output = greedy(built.model, inputs)
-    switch.restore()
     layers, _ = MODELS[name]
-    assert op_calls(profile) == 2 * layers * NEW  # both attentions, every step (a one-token decoder prompt too)
-    assert torch.equal(output.sequences, expected.sequences)
-    torch.testing.assert_close(torch.stack(output.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+    assert op_calls_and_sdpas_tokens(name) == 2 * layers * NEW
 
 
 def test_switching_sets_every_config_and_restores_each() -> None:
