@@ -22,6 +22,9 @@ random features) are served, per path:
 - `engine_prefill_without_graphs` (decoder-only): `engine` with newcomers prefilled by the compiled forward at
   their own prompt length, without graphs (their prefill is replayed from a graph of their group size and prompt
   bucket otherwise: `cachelife.serving.joint_prefill`);
+- `engine_row_starts_eager`: `engine` with each newcomer's row start (its rows, settings and first token) run
+  operation by operation, each launched from the scheduler's thread (`cachelife.serving.row_starts` replays one
+  graph per join otherwise);
 - `engine_read_lag_1`: `engine` with the rows' state read one call late (`cachelife.serving.snapshots` reads it
   two calls late otherwise, two calls queued on the device);
 - `engine_unmasked_kernel` (encoder-decoder): `engine` with cross-attention without a mask through the decode
@@ -88,6 +91,7 @@ from cachelife.model_rewrites import decode_attention as decode_attention_module
 from cachelife.serving import batch as batch_module
 from cachelife.serving import engine as engine_module
 from cachelife.serving import joint_prefill
+from cachelife.serving import row_starts as row_starts_module
 from cachelife.serving import snapshots as snapshots_module
 from cachelife.serving.engine import Engine
 from cachelife.serving.joint_prefill import JointPrefill
@@ -287,6 +291,13 @@ def read_one_call_late() -> Iterator[None]:
         unittest.mock.patch.object(snapshots_module, "READ_LAG", 1),
     ):
         yield
+
+
+def row_starts_eager() -> contextlib.AbstractContextManager[Any]:
+    """Engines made within start newcomers' rows with their operations launched one by one, no graph (what the
+    engine launched before its row starts were captured): a benchmark's instrument, for the side-by-side
+    comparison."""
+    return unittest.mock.patch.object(row_starts_module, "uses_own_graphs", return_value=False)
 
 
 def unmasked_by_kernel() -> contextlib.AbstractContextManager[Any]:
@@ -498,7 +509,7 @@ def main() -> int:
         instrument = {"engine_eager_prefill": eager_prefills, "engine_cudnn": cudnn_attention_allowed,
                       "engine_one_prefill": one_prefill_each, "engine_encoders_alone": encoders_alone,
                       "engine_prefill_without_graphs": prefills_without_graphs,
-                      "engine_read_lag_1": read_one_call_late,
+                      "engine_read_lag_1": read_one_call_late, "engine_row_starts_eager": row_starts_eager,
                       "engine_unmasked_kernel": unmasked_by_kernel}  # fmt: skip
         if path in (*ATTENTIONS, *instrument):
             label = path if path not in paths[:index] else f"{path}_again"

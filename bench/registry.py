@@ -135,6 +135,16 @@ _ENTRIES = (
         "cuda", "engine-llama-3.2-1b-profiled-cuda-*.json",
     ),
     Benchmark(
+        "engine-llama-row-starts", "bench.engine",
+        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
+         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine_row_starts_eager,engine",
+         "--verdicts", "4"),
+        "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy, 64 requests of 16-128 prompt tokens and "
+        "128 new tokens from 16 and 64 clients: each newcomer's row start (rows, settings, first token) replayed "
+        "from one graph (the default) against its operations launched one by one",
+        "cuda", "engine-llama-3.2-1b-cuda-*.json",
+    ),
+    Benchmark(
         "engine-whisper-unmasked-kernel", "bench.engine",
         ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--clients", "16",
          "--requests", "48", "--rows", "16", "--new-tokens", "96,96", "--paths", "engine,engine_unmasked_kernel",

@@ -19,6 +19,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 import cachelife
+from cachelife.generation import graphs
+from cachelife.generation import steps as loop_steps
 from cachelife.tools import zoo
 
 DOCS_EXTENSION = Path(__file__).resolve().parents[1] / "docs" / "_ext" / "cachelife_docs"
@@ -49,6 +51,30 @@ def alone(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
     tokens = cachelife.generate(model, compile_step=False, fallback=False, **kwargs)
     assert isinstance(tokens, torch.Tensor)
     return tokens
+
+
+class _Replayed:
+    def __init__(self, calls: Any) -> None:
+        self.calls = calls
+
+    def replay(self) -> None:
+        self.calls()
+
+
+def stand_in_graphs(patch: pytest.MonkeyPatch, captured: list[object] | None = None, *, compiled: bool = False) -> None:
+    """Graphs "captured" on the CPU: a capture runs the warm-up (one step) and appends its calls to `captured`,
+    every replay runs the captured calls; steps run eagerly unless `compiled`."""
+
+    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
+        warm_up()
+        if captured is not None:
+            captured.append(calls)
+        return _Replayed(calls)
+
+    patch.setattr(graphs, "capture", capture)
+    patch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    if not compiled:
+        patch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
 
 
 def several_sequence_requests(built: zoo.ZooModel, count: int) -> list[dict[str, Any]]:

@@ -25,7 +25,6 @@ from cachelife.errors import (
     RequestTimeoutError,
     UnsupportedGenerationError,
 )
-from cachelife.generation import graphs
 from cachelife.generation import steps as loop_steps
 from cachelife.serving import prefill as prefill_module
 from cachelife.serving.engine import Engine
@@ -33,7 +32,7 @@ from cachelife.serving.row_ngrams import LONGEST_NGRAM
 from cachelife.serving.row_writes import RowWrites
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
-from support import alone, several_sequence_requests, until
+from support import alone, several_sequence_requests, stand_in_graphs, until
 
 
 def build(name: str) -> zoo.ZooModel:
@@ -92,25 +91,10 @@ def test_the_compiled_step_with_joins_at_every_step_and_moves(llama: zoo.ZooMode
         assert engine.stats().moves > 0
 
 
-class _Replayed:
-    def __init__(self, calls: Any) -> None:
-        self.calls = calls
-
-    def replay(self) -> None:
-        self.calls()
-
-
-@pytest.fixture
-def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(name="stand_in_graphs")
+def stand_in_graphs_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
     """Graphs "captured" on the CPU: the warm-up runs one step, every replay runs the captured calls."""
-
-    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
-        warm_up()
-        return _Replayed(calls)
-
-    monkeypatch.setattr(graphs, "capture", capture)
-    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
+    stand_in_graphs(monkeypatch)
 
 
 @pytest.mark.slow
@@ -152,15 +136,7 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
             request["language"] = ("en", "de", "fr")[index % 3]
     expected = [alone(built.model, **request, steps_per_call=steps_per_call) for request in requests]
     captured: list[object] = []
-
-    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
-        warm_up()
-        captured.append(calls)
-        return _Replayed(calls)
-
-    monkeypatch.setattr(graphs, "capture", capture)
-    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
+    stand_in_graphs(monkeypatch, captured)
 
     def no_eager_prefill(*args: object, **kwargs: object) -> object:
         raise AssertionError("the engine ran transformers' eager prefill")
@@ -168,8 +144,9 @@ def test_encoder_decoder_prefills_replay_one_graph_per_prompt_shape(
     monkeypatch.setattr(type(built.model), "_prefill", no_eager_prefill)
     with Engine(built.model, rows=2, max_length=40, steps_per_call=steps_per_call, **options) as engine:
         results = [future.result(timeout=120) for future in [engine.submit(**request) for request in requests]]
-    # The decoding step's graph, one prefill graph (one decoder prompt length) and the row writes' graph.
-    assert len(captured) == 3
+    # The decoding step's graph, one prefill graph (one decoder prompt length), the row writes' graph and the
+    # row starts' (the newcomer's rows, settings and first token: `serving.row_starts`).
+    assert len(captured) == 4
     # The engine's caches are its own for its whole life: no advice to enable the model for a cache pool.
     assert not [record for record in caplog.records if "not enabled" in record.getMessage()]
     for want, got in zip(expected, results, strict=True):
@@ -189,18 +166,11 @@ def test_decoder_only_prefills_replay_one_graph_per_group_size_and_prompt_bucket
                 for index, length in enumerate(lengths)]  # fmt: skip
     expected = [alone(llama.model, **request) for request in requests]
     captured: list[object] = []
-
-    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
-        warm_up()
-        captured.append(calls)
-        return _Replayed(calls)
+    stand_in_graphs(monkeypatch, captured)
 
     def refused(*args: object, **kwargs: object) -> object:
         raise AssertionError("a newcomer was prefilled without a graph")
 
-    monkeypatch.setattr(graphs, "capture", capture)
-    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(loop_steps, "compiled_step", lambda model, name, function, mode, options, kind: function)
     monkeypatch.setattr(type(llama.model), "_prefill", refused)
     monkeypatch.setattr(prefill_module.Prefill, "_compiled_forward", refused)
     with Engine(llama.model, rows=4, max_length=40) as engine:
@@ -212,11 +182,12 @@ def test_decoder_only_prefills_replay_one_graph_per_group_size_and_prompt_bucket
         else:
             results = [engine.submit(**request).result(timeout=120) for request in requests]
         prefills = engine.stats().prefills
-    # The step's graph and the row writes of the one-row (two-row) scratch, and a prefill graph per bucket: alone
+    # The step's graph, the row writes of the one-row (two-row) scratch, the row starts', and a prefill graph per
+    # bucket: alone
     # 8, 16 and 32, prompts that fill their bucket (8, 16) included (their mask is built in the graph, as for the
     # padded ones: transformers' eager preparation would drop it); in pairs the buckets of (3, 5), (8, 6),
     # (11, 16), (9, 20).
-    assert len(captured) == 5
+    assert len(captured) == 6
     assert prefills == (len(requests) if not together else len(requests) // 2)
     for index, (want, got) in enumerate(zip(expected, results, strict=True)):
         assert torch.equal(got, want), index
@@ -228,13 +199,7 @@ def test_a_new_prompt_bucket_captures_without_compiling_again(monkeypatch: pytes
     # under stand-in graphs: once two buckets have made the prompt length dynamic, a third bucket's capture
     # compiles nothing (a guard on the twins' identity would compile the forward again for every bucket).
     built = zoo.build("llama")
-
-    def capture(warm_up: Any, calls: Any, device: torch.device, pool: object) -> _Replayed:
-        warm_up()
-        return _Replayed(calls)
-
-    monkeypatch.setattr(graphs, "capture", capture)
-    monkeypatch.setattr(graphs, "CAPTURING_DEVICES", frozenset({"cpu"}))
+    stand_in_graphs(monkeypatch, compiled=True)
     requests = [{**built.inputs(1, length, length), "max_new_tokens": 3} for length in (3, 12, 20)]  # 8, 16, 32
     with Engine(built.model, rows=2, max_length=40) as engine:
         results = [engine.submit(**request).result(timeout=600) for request in requests[:2]]

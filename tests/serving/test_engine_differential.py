@@ -20,6 +20,7 @@ from cachelife.errors import InvalidArgumentError, UnsupportedGenerationError
 from cachelife.serving.engine import Engine
 from cachelife.tools import zoo
 from cachelife.tools.recording import RecordingStreamer
+from support import stand_in_graphs
 
 END = 13
 PAD = 0
@@ -148,3 +149,15 @@ def check_mix(built: zoo.ZooModel, data: st.DataObject, *, rows: int, steps_per_
         streamer = streamers[index]
         if streamer is not None:  # the prompt, then each new token
             assert torch.equal(torch.cat([value.reshape(1, -1) for value in streamer.values], dim=1), got)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), rows=st.integers(1, 4))
+def test_every_request_the_engine_takes_under_graphs_decodes_as_its_own_generate(
+    built: zoo.ZooModel, data: st.DataObject, rows: int
+) -> None:
+    """Under stand-in graphs: every replay of the graphs of a join (its rows' start, settings and first token,
+    `serving.row_starts`) reads that newcomer's staged values."""
+    with pytest.MonkeyPatch.context() as patch:
+        stand_in_graphs(patch)
+        check_mix(built, data, rows=rows, steps_per_call=1, compile_step=False)

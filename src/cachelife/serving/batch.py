@@ -43,12 +43,12 @@ from cachelife.serving.prefill import Prefill
 from cachelife.serving.programs import Programs
 from cachelife.serving.requests import Joining, first_sequence, hand_back, stopped_at
 from cachelife.serving.row_settings import RowSettings
+from cachelife.serving.row_starts import RowStarts
 from cachelife.serving.row_writes import RowWrites, roll_rows
 from cachelife.serving.rows import (
     PER_ROW,
     Program,
     Rows,
-    choose_first,
     per_row_program,
     row_values,
 )
@@ -101,6 +101,7 @@ class Batch:
                                             encoder_length=self.encoder_length)  # fmt: skip
         self.prefill = Prefill(model, self.scratch, settings, self.vocab)
         self.writes = RowWrites(model, self.cache, self.scratch, settings)
+        self.starts = RowStarts(model, self.rows, self.vocab, settings)
         self.joint = JointPrefill(model, self.cache, sizes=joint, width=self.width, settings=settings,
                                   prefill=self.prefill, cache_name=self.names.cache)  # fmt: skip
         if is_encoder_decoder_cache(self.cache):  # every row's encoder keys and values are written at its join
@@ -199,12 +200,15 @@ class Batch:
             prefilled.writes.write(row, start - prefilled.extra, self.slot, prefilled.source)
             if encoder is not None:
                 write_encoder_row(self.step_inputs, row, encoder)
-            self.rows.start(row, joining.input_ids[:1], joining.max_length, start, joining.padding)
-            if joining.per_row is not None:
-                self.row_settings.write(row, joining.per_row)
-                continue
-            for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
-                buffer[row] = value
+            if joining.per_row is None:
+                for buffer, value in zip(program.rows, row_values(joining.converted), strict=True):
+                    buffer[row] = value
+        first_pick = None if isinstance(program, BeamProgram) else program  # a search's first step is its own
+        self.starts.start(
+            first, prompt=joining.input_ids[:1], count=joining.rows, max_length=joining.max_length, first_slot=start,
+            padding=joining.padding, logits=logits[0], program=first_pick, per_row=joining.per_row,
+            generator=joining.generator, draws=joining.draws,
+        )  # fmt: skip
         if isinstance(program, BeamProgram):
             noise = torch.ones(joining.beams, self.vocab, device=logits.device)
             if joining.generator is not None:
@@ -213,9 +217,6 @@ class Batch:
                 self.beam_states[program.key], program, first // joining.beams, prompt=joining.input_ids,
                 max_length=joining.max_length, logits=logits, noise=noise,
             )  # fmt: skip
-        else:
-            choose_first(self.rows, first, logits[0], program, generator=joining.generator, draws=joining.draws,
-                         count=joining.rows)  # fmt: skip
         return start
 
     def advance(self) -> None:

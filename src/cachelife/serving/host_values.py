@@ -13,9 +13,18 @@ from collections.abc import Sequence
 import torch
 
 
-def device_tensor(values: Sequence[int], *, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def device_tensor(values: Sequence[float], *, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """`values` as a 1-D tensor on `device`; on CUDA copied without waiting for the work queued before it."""
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_values(into: torch.Tensor, values: Sequence[float]) -> None:
+    """Write `values` (as many as `into` holds) into the 1-D tensor `into` in place, as `device_tensor` copies."""
+    host = torch.tensor(values, dtype=into.dtype)
+    if into.device.type == "cuda":
+        into.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        into.copy_(host)

@@ -47,7 +47,7 @@ from cachelife.generation.greedy import append
 from cachelife.generation.penalties import OccurrencePenalty, occurrence_penalised
 from cachelife.generation.tensor_processors import repetition_penalised
 from cachelife.serving.cumulative_sum import cumulative_sum
-from cachelife.serving.host_values import device_tensor
+from cachelife.serving.host_values import copy_values, device_tensor
 from cachelife.serving.row_ngrams import LONGEST_NGRAM, banned_ngrams
 
 _OFF = -1  # a length no row has: the stages that apply at one length never apply
@@ -281,46 +281,77 @@ class RowSettings:
 
     def write(self, row: int, values: PerRow) -> None:
         """Row `row` decodes with `values` from the next step on."""
-        vocab = self.vocab
-        self.do_sample[row] = values.do_sample
-        _mask(self.eos[row], values.eos)
-        self.pad[row] = values.pad
-        self.penalty[row] = values.repetition_penalty
-        self.ignore[row] = values.repetition_ignore
-        self.ngram[row] = values.no_repeat_ngram
-        self.min_length[row] = values.min_length
-        self.min_new_tokens[row] = values.min_new_tokens
-        self.prompt_length[row] = values.prompt_length
-        self.bos[row] = values.bos
-        self.bos_at[row] = values.bos_at
-        _mask(self.forced_eos[row], values.forced_eos)
-        self.forced_eos_at[row] = values.forced_eos_at
-        _mask(self.suppress[row], values.suppress)
-        _mask(self.begin_suppress[row], values.begin_suppress)
-        self.begin_at[row] = values.begin_at
-        self.presence[row] = values.presence
-        self.frequency[row] = values.frequency
-        self.occurrences_from[row] = values.occurrences_from
-        self.temperature[row] = values.temperature
-        self.top_k[row] = vocab if values.top_k is None else min(values.top_k, vocab)
-        # transformers compares float32 probabilities with the Python float 1 - top_p: float32 of that double.
-        self.top_p_cut[row] = 0.0 if values.top_p is None else 1 - values.top_p
-        self.top_p_on[row] = values.top_p is not None
-        self.min_p[row] = 0.0 if values.min_p is None else values.min_p
-        self.min_p_on[row] = values.min_p is not None
-        self.typical_p[row] = 1.0 if values.typical_p is None else values.typical_p
-        self.typical_on[row] = values.typical_p is not None
-        self.renormalize[row] = values.renormalize
+        staged = StagedSettings.allocate(self.vocab, self.eos.device)
+        staged.stage(values)
+        indices = torch.arange(self.do_sample.shape[0], device=self.eos.device)
+        self.write_staged(indices == row, staged)
+
+    def write_staged(self, among: torch.Tensor, staged: StagedSettings) -> None:
+        """The rows where `among` (rows,) holds decode with the values in `staged` from the next step on: device
+        work alone, the same kernels for every row and request (a graph replays them)."""
+        values = (*staged.numbers.unbind(0), *staged.reals.unbind(0), *staged.masks.unbind(0))
+        for name, value in zip((*_NUMBERS, *_REALS, *_MASKS), values, strict=True):
+            field: torch.Tensor = getattr(self, name)
+            where = among.view(-1, *([1] * (field.dim() - 1)))
+            field.copy_(torch.where(where, value.to(field.dtype), field))
 
     def clear(self, row: int) -> None:
         """Row `row` holds no request: every stage off, greedy."""
         self.write(row, PerRow(do_sample=False, eos=(), pad=0))
 
 
-def _mask(row: torch.Tensor, ids: tuple[int, ...]) -> None:
-    row.zero_()
-    if ids:
-        row[device_tensor(ids, device=row.device)] = True
+# `RowSettings`' fields as `StagedSettings` holds them: integers and flags, real numbers, vocabulary masks.
+_NUMBERS = ("do_sample", "pad", "ignore", "ngram", "min_length", "min_new_tokens", "prompt_length", "bos", "bos_at",
+            "forced_eos_at", "begin_at", "occurrences_from", "top_k", "top_p_on", "min_p_on", "typical_on",
+            "renormalize")  # fmt: skip
+_REALS = ("penalty", "presence", "frequency", "temperature", "top_p_cut", "min_p", "typical_p")
+_MASKS = ("eos", "forced_eos", "suppress", "begin_suppress")
+
+
+@frozen(kw_only=True)
+class StagedSettings:
+    """One request's `PerRow` values on the device, in `RowSettings`' fields' order, for `write_staged`."""
+
+    numbers: torch.Tensor  # (len(_NUMBERS),) long; flags as 0 or 1
+    reals: torch.Tensor  # (len(_REALS),) float32
+    masks: torch.Tensor  # (len(_MASKS), vocab) bool
+
+    @classmethod
+    def allocate(cls, vocab: int, device: torch.device) -> StagedSettings:
+        return cls(
+            numbers=torch.zeros(len(_NUMBERS), dtype=torch.long, device=device),
+            reals=torch.zeros(len(_REALS), dtype=torch.float32, device=device),
+            masks=torch.zeros(len(_MASKS), vocab, dtype=torch.bool, device=device),
+        )
+
+    def stage(self, values: PerRow) -> None:
+        """Copy `values` in: two copies from the host and, where a mask names tokens, one write of them all."""
+        vocab = int(self.masks.shape[1])
+        numbers = {
+            "do_sample": values.do_sample, "pad": values.pad, "ignore": values.repetition_ignore,
+            "ngram": values.no_repeat_ngram, "min_length": values.min_length, "min_new_tokens": values.min_new_tokens,
+            "prompt_length": values.prompt_length, "bos": values.bos, "bos_at": values.bos_at,
+            "forced_eos_at": values.forced_eos_at, "begin_at": values.begin_at,
+            "occurrences_from": values.occurrences_from,
+            "top_k": vocab if values.top_k is None else min(values.top_k, vocab),
+            "top_p_on": values.top_p is not None, "min_p_on": values.min_p is not None,
+            "typical_on": values.typical_p is not None, "renormalize": values.renormalize,
+        }  # fmt: skip
+        reals = {
+            "penalty": values.repetition_penalty, "presence": values.presence, "frequency": values.frequency,
+            "temperature": values.temperature,
+            # transformers compares float32 probabilities with the Python float 1 - top_p: float32 of that double.
+            "top_p_cut": 0.0 if values.top_p is None else 1 - values.top_p,
+            "min_p": 0.0 if values.min_p is None else values.min_p,
+            "typical_p": 1.0 if values.typical_p is None else values.typical_p,
+        }  # fmt: skip
+        copy_values(self.numbers, [int(numbers[name]) for name in _NUMBERS])
+        copy_values(self.reals, [reals[name] for name in _REALS])
+        masks = (values.eos, values.forced_eos, values.suppress, values.begin_suppress)
+        self.masks.zero_()
+        flat = [index * vocab + token for index, ids in enumerate(masks) for token in ids]
+        if flat:
+            self.masks.view(-1)[device_tensor(flat, device=self.masks.device)] = True
 
 
 def process(settings: RowSettings, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor, *,

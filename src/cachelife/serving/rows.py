@@ -27,7 +27,6 @@ import torch
 from attrs import frozen
 from transformers import PreTrainedModel
 
-from cachelife.generation.draws import DrawStates
 from cachelife.generation.greedy import pick_and_append
 from cachelife.generation.penalties import Occurrences
 from cachelife.generation.processors import Called, TensorProcessor
@@ -131,17 +130,22 @@ class Rows:
     def last_tokens(self) -> torch.Tensor:
         return self.tokens.gather(1, (self.length - 1).clamp(min=0)[:, None])
 
-    def start(self, row: int, prompt: torch.Tensor, max_length: int, first_slot: int, padding: int = 0) -> None:
-        """Row `row` holds `prompt` (1, n), whose first `padding` tokens are left padding, from cache slot
-        `first_slot` on, and attends to the slots of its tokens."""
-        self.tokens[row].zero_()
-        self.tokens[row, : prompt.shape[1]].copy_(prompt[0])
-        self.length[row] = prompt.shape[1]
-        self.unfinished[row] = True
-        self.active[row] = True
-        self.max_length[row] = max_length
-        self.padding[row] = padding
-        self.attend_from(row, first_slot + padding)
+    def start(self, among: torch.Tensor, prompt: torch.Tensor, values: torch.Tensor) -> None:
+        """The rows where `among` (rows,) holds start a request: `prompt` (width,), its tokens padded with zeros,
+        and `values` (4,): its prompt's length, its max length, its left padding (the prompt's first tokens), and
+        the cache slot its first token is in. Device work alone: the same kernels for every row (a graph replays
+        them)."""
+        length, max_length, padding, first_slot = values.unbind(0)
+        beside = among[:, None]
+        self.tokens.copy_(torch.where(beside, prompt[None, :], self.tokens))
+        self.length.copy_(torch.where(among, length, self.length))
+        self.unfinished.copy_(self.unfinished | among)
+        self.active.copy_(self.active | among)
+        self.max_length.copy_(torch.where(among, max_length, self.max_length))
+        self.padding.copy_(torch.where(among, padding, self.padding))
+        slots = torch.arange(self.mask.shape[1], device=self.mask.device)
+        attended = (slots >= first_slot + padding).to(self.mask.dtype)
+        self.mask.copy_(torch.where(beside, attended[None, :], self.mask))
 
     def attend_from(self, row: int, first_slot: int) -> None:
         slots = torch.arange(self.mask.shape[1], device=self.mask.device)
@@ -299,27 +303,3 @@ def _value(value: object) -> object:
     if isinstance(value, dict):
         return tuple(sorted((str(k), _value(v)) for k, v in value.items()))
     return value if isinstance(value, int | float | str | bool | None) else repr(value)
-
-
-def choose_first(
-    rows: Rows,
-    row: int,
-    logits: torch.Tensor,
-    program: Program,
-    *,
-    generator: torch.Generator | None,
-    draws: DrawStates,
-    count: int = 1,
-) -> None:
-    """A newcomer's first token in each of its `count` rows from `row`, from its prefill's last `logits` (vocab,),
-    chosen with its rows' processors and its generator's first draw ((count, vocab) at once, as `generate`
-    draws for its sequences, recorded in `draws`); the other rows take no part."""
-    every, vocab, device = rows.length.shape[0], logits.shape[-1], logits.device
-    noise = torch.ones(every, vocab, device=device)
-    if generator is not None:
-        draws.draw(noise[row : row + count], generator)
-    among = torch.zeros(every, dtype=torch.bool, device=device)
-    among[row : row + count] = True
-    first = torch.zeros(every, vocab, device=device)
-    first[row : row + count] = logits
-    choose(rows, first, noise, program, among)
