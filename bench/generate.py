@@ -47,6 +47,7 @@ import functools
 import itertools
 import json
 import sys
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ from bench.timing import as_tokens, cudnn_attention_allowed, kernel_timeline, ma
 from bench.verdict import judge
 from cachelife.generation.loop_settings import CudaGraphs
 from cachelife.integration.runtime import runtime_of
+from cachelife.model_rewrites import decode_attention as decode_attention_module
 from cachelife.tools import zoo
 from cachelife.tools.recipe import CudaGraphHealth, pick_device
 
@@ -72,11 +74,14 @@ LEVERS: dict[str, cachelife.Options] = {
     "fused_layers": attrs.evolve(cachelife.EXACT, fused_layers=True),
     "layers_projections": attrs.evolve(cachelife.EXACT, fused_layers=True, fuse_projections=True),
     "fast_kernels": attrs.evolve(cachelife.EXACT, compile_options=cachelife.FAST_KERNELS),
+    "unmasked_kernel": attrs.evolve(cachelife.EXACT, decode_attention=True),  # and UNMASKED_BY_KERNEL: below
     "fast": cachelife.FAST,
     "all": attrs.evolve(cachelife.FAST, small_linear=True),
 }
 """`--levers` names: nothing on (`EXACT`; the `cachelife` path has the default, fused projections), one lever
-alone, fused layers with fused projections, `FAST`, and `FAST` with the few-row linear kernel."""
+alone, fused layers with fused projections, `FAST`, and `FAST` with the few-row linear kernel. `unmasked_kernel`
+is `decode_attention` with calls without a mask (cross-attention) through the kernel's matrix products too
+(`cachelife.model_rewrites.decode_attention.UNMASKED_BY_KERNEL`, set for its calls alone)."""
 
 TINY = {"whisper-large-v3": "whisper", "bart-large-cnn": "bart", "t5-base": "t5"}
 LLAMAS = ("llama-3.2-1b",)
@@ -192,11 +197,20 @@ def paths(
         kind = f"lever_{lever}"
         enabled = _MODELS[kind] = cachelife.enable(build(name, args.tiny, device, dtype).model, options=LEVERS[lever])
 
-        def with_lever(n: int, enabled: PreTrainedModel = enabled) -> torch.Tensor:
-            return as_tokens(cachelife.generate(enabled, fallback=False, **inputs, **settings_for(name, args.beams, n)))
+        def with_lever(n: int, enabled: PreTrainedModel = enabled, lever: str = lever) -> torch.Tensor:
+            with lever_switches(lever):
+                out = cachelife.generate(enabled, fallback=False, **inputs, **settings_for(name, args.beams, n))
+            return as_tokens(out)
 
         runs[kind] = (with_lever, kind)
     return runs, inputs
+
+
+def lever_switches(lever: str) -> contextlib.AbstractContextManager[Any]:
+    """What a lever sets beside its `Options` while its calls run: `unmasked_kernel`'s module switch."""
+    if lever == "unmasked_kernel":
+        return unittest.mock.patch.object(decode_attention_module, "UNMASKED_BY_KERNEL", True)
+    return contextlib.nullcontext()
 
 
 def levers(text: str) -> list[str]:
@@ -288,7 +302,8 @@ def verdict(
         return None
     graphs: CudaGraphs = "torch" if path.startswith("cachelife_trees") else "cachelife"
     steps = int(path.rsplit("spc", 1)[1]) if "_spc" in path else 1
-    with cudnn_attention_allowed() if path == "cachelife_cudnn" else contextlib.nullcontext():
+    switches = lever_switches(path.removeprefix("lever_"))
+    with cudnn_attention_allowed() if path == "cachelife_cudnn" else contextlib.nullcontext(), switches:
         out: Any = cachelife.generate(
             model, fallback=False, steps_per_call=steps, cuda_graphs=graphs, return_dict_in_generate=True,
             output_logits=True, **inputs, **settings_for(name, args.beams, tokens),

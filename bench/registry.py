@@ -40,7 +40,8 @@ _TINY_LOAD = ("--device", "cpu", "--model", "tiny", "--dtype", "float32", "--con
               "4,16", "--bad-share", "0.1")  # fmt: skip
 
 ALL_LEVERS = (
-    "exact,fuse_projections,decode_attention,small_linear,fused_layers,layers_projections,fast_kernels,fast,all"
+    "exact,fuse_projections,decode_attention,small_linear,fused_layers,layers_projections,fast_kernels,"
+    "unmasked_kernel,fast,all"
 )
 """bench.generate's `--levers`, every one."""
 
@@ -83,6 +84,17 @@ _ENTRIES = (
         "kernels' time, the device's busy time and the span from first kernel to last, against the default and "
         "transformers' compiled forward (the bf16 reference), with the verdict against transformers",
         "cuda", "generate-levers-whisper-*cuda*.json",
+    ),
+    Benchmark(
+        "levers-whisper-unmasked", "bench.generate",
+        ("--device", "cuda", "--models", "whisper-large-v3", "--batches", "1", "--dtype", "bfloat16", "--tokens",
+         "16,64", "--steps-per-call", "1", "--paths", "forward,cachelife", "--cuda-graphs", "cachelife", "--levers",
+         "decode_attention,unmasked_kernel", "--repeats", "3", "--tag", "levers-whisper-unmasked"),
+        "the decode attention kernel for masked calls alone, and with cross-attention (calls without a mask) through "
+        "its matrix products too, on the whisper-large-v3 shape, bf16, greedy, one call: wall ms per step, tokens "
+        "against transformers' compiled forward and the verdict against transformers (the products change rounding: "
+        "a default only if both hold)",
+        "cuda", "generate-levers-whisper-unmasked-*cuda*.json",
     ),
     Benchmark(
         "levers-llama", "bench.generate",
