@@ -1,13 +1,14 @@
 """A newcomer's rows start in one call: its prompt, lengths and limits, its per-row settings and its first token.
 
-What a join writes into the rows is staged in static buffers first (`StagedStart`): one copy from the host of
-the rows it takes and its prompt, two of its per-row settings, one of its prefill's last logits and, for a
-request with a generator, its first draw. Then one call, `start_rows`, writes the newcomer's rows from them
-(`Rows.start`, `RowSettings.write_staged`) and picks each row's first token as the step picks the next ones
-(`rows.choose`, only those rows taking part). The call touches every row with the same kernels whatever the
-newcomer, so under cachelife's CUDA graphs it is captured once per program and replayed at every join: a join
-launches a handful of copies and one graph, where row-by-row writes launched a few hundred kernels from the
-scheduler's thread while the device waited for the next step. Elsewhere it runs as it is.
+What a join writes into the rows is staged in buffers of their own first (`StagedStart`): one copy from the
+host of the rows it takes and its prompt, two of its per-row settings' values (and one write of its token
+masks), one of its prefill's last logits and, for a request with a generator, its first draw. Then one call,
+`start_rows`, writes the newcomer's rows from them (`Rows.start`, `RowSettings.write_staged`) and picks each
+row's first token as the step picks the next ones (`rows.choose`, only those rows taking part). The call
+touches every row with the same kernels whatever the newcomer, so under cachelife's CUDA graphs it is captured
+once per program and replayed at every join: a join launches a handful of copies and one graph, where
+row-by-row writes launched a few hundred kernels from the scheduler's thread while the device waited for the
+next step. Elsewhere it runs as it is.
 """
 
 from __future__ import annotations
@@ -43,15 +44,12 @@ class StagedStart:
 
     @classmethod
     def allocate(cls, rows: int, width: int, vocab: int, device: torch.device) -> StagedStart:
-        made = cls(
+        return cls(
             head=torch.zeros(6 + width, dtype=torch.long, device=device),
             logits=torch.zeros(vocab, dtype=torch.float32, device=device),
             noise=torch.ones(rows, vocab, dtype=torch.float32, device=device),
             settings=StagedSettings.allocate(vocab, device),
         )
-        for tensor in (made.head, made.logits, made.noise):
-            torch._dynamo.mark_static_address(tensor)
-        return made
 
 
 def start_rows(rows: Rows, staged: StagedStart, program: Program | None) -> None:
@@ -73,7 +71,7 @@ class RowStarts:
     """The batch's starts of newcomers' rows (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, rows: Rows, vocab: int, settings: LoopSettings) -> None:
-        self.model, self.rows, self.settings = model, rows, settings
+        self.model, self.rows = model, rows
         count, width = rows.tokens.shape
         self.staged = StagedStart.allocate(int(count), int(width), vocab, model.device)
         self._graphed = uses_own_graphs(settings, model.device)
