@@ -25,7 +25,7 @@ from cachelife.errors import UnsupportedGenerationError
 from cachelife.generation.graphs import GraphedSteps
 from cachelife.generation.loop_settings import LoopSettings
 from cachelife.generation.steps import uses_own_graphs
-from cachelife.serving.host_values import device_tensor
+from cachelife.serving.host_values import copy_values
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (the batch's tensor, the scratch cache's)
 
@@ -91,7 +91,7 @@ class RowWrites:
 
     def write(self, row: int, start: int, slot: int, source: int = 0) -> None:
         """Row `source` of the scratch cache into `row`, its first slot at `start`; the batch writes at `slot`."""
-        self.where.copy_(device_tensor((row, start, slot, source), device=self.where.device))
+        copy_values(self.where, (row, start, slot, source))
         self._run()
 
     def _eager(self) -> int:
