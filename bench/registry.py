@@ -48,6 +48,10 @@ ALL_LEVERS = (
 # The engine-step profiles' shapes: 1 and 16 rows, every row decoding (see bench.engine_step).
 LLAMA_STEP = ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--rows", "1,16",
               "--max-length", "512", "--prompt", "64", "--window", "0.3")  # fmt: skip
+# The engine's Llama throughput runs: 16 rows, 64 requests of 16-128 prompt tokens and 128 new tokens, from 16
+# and 64 clients (see bench.engine).
+LLAMA_ENGINE = ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
+                "--requests", "64", "--rows", "16", "--new-tokens", "128,128")  # fmt: skip
 WHISPER_STEP = ("--device", "cuda", "--model", "whisper-large-v3", "--dtype", "bfloat16", "--rows", "1,16",
                 "--max-length", "448", "--window", "0.3")  # fmt: skip
 
@@ -115,9 +119,7 @@ _ENTRIES = (
     ),
     Benchmark(
         "engine-llama-throughput", "bench.engine",
-        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths",
-         "sequential,engine,engine_model_attention", "--verdicts", "4"),
+        (*LLAMA_ENGINE, "--paths", "sequential,engine,engine_model_attention", "--verdicts", "4"),
         "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy: 64 requests of 16-128 prompt tokens "
         "and 128 new tokens from 16 and 64 clients, the engine's default (cachelife's decode attention kernel in "
         "the rows) against the model's SDPA (attention='model'), with the scheduler's time split and the verdict "
@@ -137,9 +139,8 @@ _ENTRIES = (
     ),
     Benchmark(
         "engine-llama-prefill-lag", "bench.engine",
-        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths",
-         "engine_prefill_without_graphs,engine_read_lag_1,engine", "--verdicts", "4", "--device-profile"),
+        (*LLAMA_ENGINE, "--paths", "engine_prefill_without_graphs,engine_read_lag_1,engine", "--verdicts", "4",
+         "--device-profile"),
         "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy, 64 requests of 16-128 prompt tokens and "
         "128 new tokens from 16 and 64 clients: the default (prefills replayed from graphs of prompt buckets, the "
         "rows read two calls late) against prefills compiled at their own length without graphs and against rows "
@@ -148,9 +149,7 @@ _ENTRIES = (
     ),
     Benchmark(
         "engine-llama-row-starts", "bench.engine",
-        ("--device", "cuda", "--model", "llama-3.2-1b", "--dtype", "bfloat16", "--clients", "16,64",
-         "--requests", "64", "--rows", "16", "--new-tokens", "128,128", "--paths", "engine_row_starts_eager,engine",
-         "--verdicts", "4"),
+        (*LLAMA_ENGINE, "--paths", "engine_row_starts_eager,engine", "--verdicts", "4"),
         "cachelife.Engine (16 rows) on the Llama-3.2-1B shape, bf16, greedy, 64 requests of 16-128 prompt tokens and "
         "128 new tokens from 16 and 64 clients: each newcomer's row start (rows, settings, first token) replayed "
         "from one graph (the default) against its operations launched one by one",
