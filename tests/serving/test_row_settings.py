@@ -11,7 +11,8 @@ from transformers.generation import logits_process as lp
 
 from cachelife.generation.penalties import OccurrencePenalty
 from cachelife.serving.row_ngrams import LONGEST_NGRAM
-from cachelife.serving.row_settings import PerRow, RowSettings, per_row, pick, process
+from cachelife.serving.row_pipeline import pick, process
+from cachelife.serving.row_settings import PerRow, RowSettings, per_row
 
 VOCAB = 40
 EOS = torch.tensor([3, 7])

@@ -40,7 +40,8 @@ from cachelife.generation.tensor_processors import (
     SuppressAtBegin,
     WhisperTimestamps,
 )
-from cachelife.serving.row_settings import RowSettings, pick, process
+from cachelife.serving.row_pipeline import pick, process
+from cachelife.serving.row_settings import RowSettings
 
 # The tensor processors' fields that hold a position of one request, held per row in a program.
 ROW_FIELDS: Final[dict[type[object], tuple[str, ...]]] = {
